@@ -1,0 +1,56 @@
+"""Causal self-attention: multi-head (MHA), grouped-query (GQA, Ainslie et al. 2023) and multi-query (MQA).
+
+GQA shares each key/value head among n_heads / n_kv_heads query heads. The head counts are read from the weight
+shapes at run time, so a tensor-parallel swap that gives a rank fewer heads needs no change here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minidist.model.config import ModelConfig
+from minidist.model.rope import apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the positions of this forward, or None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d + causal mask) v for [B, H, T, d] tensors; k and v may have fewer heads (GQA)."""
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.rope_layout = cfg.rope_layout
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rotary(q, cos, sin, self.rope_layout)
+            k = apply_rotary(k, cos, sin, self.rope_layout)
+        y = causal_attention(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    if cfg.attention == "mla":
+        from minidist.model.mla import MultiHeadLatentAttention
+
+        return MultiHeadLatentAttention(cfg)
+    return GroupedQueryAttention(cfg)

@@ -1,0 +1,99 @@
+"""A Llama-style decoder-only transformer (and, by config, GPT-2/3's variant), in plain PyTorch.
+
+Parallelism never branches inside this file: tensor, pipeline, context and expert parallelism are transformations
+applied to a built model. Parameter names ("blocks.3.attn.wq.weight") are the keys of layout-independent init,
+checkpoints and parity tests, so transformations keep them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minidist.model.attention import Rope, build_attention
+from minidist.model.config import ModelConfig
+from minidist.model.layers import build_mlp, build_norm
+from minidist.model.rope import rope_cos_sin, rope_for_config
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = build_attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        if cfg.moe.n_experts > 0 and layer_index >= cfg.moe.first_dense_layers:
+            from minidist.model.moe import MoELayer
+
+            self.mlp = MoELayer(cfg)
+        else:
+            self.mlp = build_mlp(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the RoPE frequencies (after any context-extension scaling) and turns positions into (cos, sin)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, attention_scale = rope_for_config(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scale = attention_scale
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.inv_freq, self.attention_scale)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.rotary = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = build_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for tokens [B, T]; positions default to 0..T−1."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the auxiliary losses (MoE balancing) recorded by the last forward; 0 for a dense model."""
+        losses = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None
+                  and isinstance(m.aux_loss, torch.Tensor)]
+        if not losses:
+            return torch.zeros((), device=self.tok_emb.weight.device)
+        return torch.stack(losses).sum()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy over all non-ignored target positions, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Construct the model and give every parameter its layout-independent initial value."""
+    from minidist.init import init_parameters
+
+    model = Transformer(cfg)
+    init_parameters(model, cfg, seed)
+    return model
