@@ -29,6 +29,9 @@ class RopeScalingConfig:
             raise ValueError(f"rope scaling factor must be >= 1 (it stretches the context), got {self.factor}")
         if self.kind == "yarn" and not self.original_max_seq_len:
             raise ValueError("rope scaling 'yarn' needs original_max_seq_len (the context the model was trained at)")
+        if self.kind == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"rope scaling 'yarn' needs beta_fast > beta_slow > 0, "
+                             f"got {self.beta_fast}, {self.beta_slow}")
 
 
 @dataclass
@@ -40,6 +43,23 @@ class MLAConfig:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """One-line ValueError for the first inconsistent MLA option; nothing to check unless attention == "mla"."""
+        if cfg.attention != "mla":
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"mla {name} must be >= 1, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of dimensions, so mla qk_rope_head_dim must be even, "
+                             f"got {self.qk_rope_head_dim}")
+        # A latent wider than the model would be no compression at all (the down-projection could not lose rank).
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            rank = getattr(self, name)
+            if rank is not None and not 1 <= rank <= cfg.d_model:
+                raise ValueError(f"mla {name}={rank} must be in 1..d_model={cfg.d_model} (a low-rank latent)"
+                                 + (" or None (no query compression)" if name == "q_lora_rank" else ""))
 
 
 @dataclass
@@ -118,6 +138,7 @@ class ModelConfig:
         if self.position == "rope" and self.attention == "gqa" and self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}")
         self.rope_scaling.validate()
+        self.mla.validate(self)
         return self
 
     def replace(self, **changes: Any) -> ModelConfig:
