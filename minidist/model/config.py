@@ -64,7 +64,11 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts (chapter 06). Used when n_experts > 0: every block's MLP becomes an MoE layer."""
+    """Mixture of experts (chapter 06). Used when n_experts > 0: every block's MLP becomes an MoE layer.
+
+    Experts are SwiGLU networks of hidden size d_expert (whatever ModelConfig.mlp says); shared experts are one
+    SwiGLU of hidden size n_shared_experts·d_expert that every token goes through.
+    """
 
     n_experts: int = 0
     top_k: int = 2
@@ -76,6 +80,39 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     bias_update_speed: float = 0.0  # > 0: DeepSeek-V3 auxiliary-loss-free balancing
     first_dense_layers: int = 0  # DeepSeek keeps the first blocks dense
+    # Divide the k selected gates by their sum. None: only when top_k > 1 (Switch top-1 keeps p_i, else the gate
+    # would be the constant 1 and the router would get no gradient from the language-model loss).
+    renormalize: bool | None = None
+    routed_scaling_factor: float = 1.0  # multiplies the routed gates (DeepSeek-V3 uses 2.5)
+
+    def renormalizes(self) -> bool:
+        return self.top_k > 1 if self.renormalize is None else self.renormalize
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """One-line ValueError for the first inconsistent MoE option; nothing to check for a dense model."""
+        if self.n_experts < 0:
+            raise ValueError(f"moe n_experts must be >= 0 (0: dense MLP), got {self.n_experts}")
+        if self.n_experts == 0:
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"moe top_k={self.top_k} does not fit n_experts={self.n_experts}; "
+                             f"pick top_k in 1..{self.n_experts}")
+        routers = ("softmax", "sigmoid")
+        if self.router not in routers:
+            raise ValueError(f"moe router {self.router!r} is unknown; choose one of {routers}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"moe capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}")
+        if self.d_expert is not None and self.d_expert < 1:
+            raise ValueError(f"moe d_expert must be >= 1 (or None for d_ff), got {self.d_expert}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"moe n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_speed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"moe {name} must be >= 0, got {getattr(self, name)}")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"moe routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if not 0 <= self.first_dense_layers <= cfg.n_layers:
+            raise ValueError(f"moe first_dense_layers={self.first_dense_layers} must be in 0..n_layers={cfg.n_layers}")
 
 
 @dataclass
@@ -139,6 +176,7 @@ class ModelConfig:
             raise ValueError(f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}")
         self.rope_scaling.validate()
         self.mla.validate(self)
+        self.moe.validate(self)
         return self
 
     def replace(self, **changes: Any) -> ModelConfig:

@@ -1,0 +1,361 @@
+"""Mixture of experts on one device (chapter 06): routers, balancing losses, capacity, sorted dispatch.
+
+A token goes to k of N expert MLPs chosen by a learned router, so the parameter count grows with N while the
+compute per token grows only with k (Shazeer et al. 2017, "Outrageously Large Neural Networks").
+
+Routers (`route`):
+- "softmax": p = softmax(x W_r); the k largest p are chosen. top-1 keeps the gate p_i (Switch, Fedus et al. 2021);
+  top-k > 1 renormalizes the chosen p to sum to 1 (Mixtral, Jiang et al. 2024: softmax over the top-k logits).
+- "sigmoid": s = σ(x W_r); experts are chosen by s + b, where b is the auxiliary-loss-free bias, but the gates use
+  s alone, renormalized over the chosen k and multiplied by routed_scaling_factor (DeepSeek-V3 2024, eq. 12-16).
+Ties are broken deterministically: the lower expert index wins (a stable descending sort).
+
+Balancing: `load_balancing_loss` (Switch, eq. 4-6), `router_z_loss` (ST-MoE, Zoph et al. 2022, eq. 5) and the
+auxiliary-loss-free bias (Wang et al. 2024; DeepSeek-V3 §2.1.2), updated by `update_router_biases`.
+
+Capacity: each expert takes at most C = ⌈capacity_factor · tokens · k / N⌉ token-slots of one forward. Priority is
+(choice rank, token index): every token's first choice is served before any second choice, and within one rank the
+earlier token (in the flattened [batch · seq] order) wins — GShard's rule (Lepikhin et al. 2020, Algorithm 1). A
+dropped slot contributes zero; the residual connection carries the token. capacity_factor None: dropless.
+
+Dispatch: slots are sorted by expert id (a stable argsort), gathered with index_select into one buffer where each
+expert's tokens are a contiguous slice, run through the experts (a loop over experts, or torch._grouped_mm), and
+summed back with index_add. `moe_forward_naive` is the boolean-mask loop it is checked against.
+
+Trainer contract:
+- `Transformer.aux_loss()` sums `MoELayer.aux_loss` (α·balance + z_coef·z, already weighted) from the last
+  forward; add it to the language-model loss (per micro-batch, scaled like the LM loss).
+- `moe_stats(model)` returns floats to log after a step (load imbalance max/mean, drop rate, unweighted losses).
+- `update_router_biases(model, reduce_fn)` after each optimizer step: applies b_i += γ·sign(mean_load − load_i)
+  to the router bias buffers using the routed-token counts of every training forward since the previous call
+  (all micro-batches), then resets the counts. Under data parallelism pass a reduce_fn that sums a tensor in place
+  over the data-parallel ranks so every replica applies the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minidist.model.config import ModelConfig
+from minidist.model.layers import SwiGLU
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing
+
+
+@dataclass
+class Routing:
+    logits: torch.Tensor  # [T, N] fp32 router logits
+    probs: torch.Tensor  # [T, N] per-token distribution over experts used by the balance loss (rows sum to 1)
+    indices: torch.Tensor  # [T, k] chosen experts, best first (int64)
+    weights: torch.Tensor  # [T, k] gates that multiply the chosen experts' outputs (fp32)
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest entries of each row, best first; equal scores: the lower index wins (torch.topk promises no
+    order for ties, a stable sort does)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
+          renormalize: bool | None = None, scaling: float = 1.0) -> Routing:
+    """Choose top_k experts per row of `logits` [T, N]; `bias` [N] shifts the choice but never the gates."""
+    logits = logits.float()
+    if renormalize is None:
+        renormalize = top_k > 1
+    if router == "softmax":
+        scores = logits.softmax(dim=-1)
+        probs = scores
+    elif router == "sigmoid":
+        scores = torch.sigmoid(logits)
+        # DeepSeek-V3's balance loss uses the scores normalized over all experts (eq. 19-20).
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"router {router!r} is unknown; choose 'softmax' or 'sigmoid'")
+    choice = scores if bias is None else scores + bias.float()
+    indices = top_k_indices(choice.detach(), top_k)
+    weights = scores.gather(-1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(logits, probs, indices, weights * scaling)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# balancing losses
+
+
+def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """N · Σᵢ fᵢ · Pᵢ (Fedus et al. 2021, eq. 4-6), unweighted: multiply by α.
+
+    fᵢ = (token-slots routed to i) / (T · k): the fraction of the T·k routing decisions that chose i (counted
+    before any capacity dropping), so Σ fᵢ = 1. Pᵢ = mean over tokens of the router probability of i, Σ Pᵢ = 1.
+    Uniform routing gives exactly 1; top-1 collapse onto one expert gives N; top-k routing concentrated on the
+    same k experts gives N/k. Only P carries a gradient (f is a count).
+    """
+    probs = router_probs.reshape(-1, num_experts).float()
+    indices = expert_indices.reshape(probs.shape[0], -1)
+    counts = torch.bincount(indices.flatten(), minlength=num_experts).to(probs.dtype)
+    f = counts / indices.numel()
+    p = probs.mean(dim=0)
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """(1/B) Σ_tokens (log Σ_j exp x_j)² (Zoph et al. 2022, ST-MoE eq. 5): keeps router logits small."""
+    logits = router_logits.reshape(-1, router_logits.shape[-1]).float()
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# capacity and dispatch
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
+    """⌈capacity_factor · tokens · k / experts⌉ token-slots per expert; None (dropless) when the factor is None.
+
+    The factor goes through a Fraction, so 1.1 · 100 / 10 is 11, not ⌈11.000000000000002⌉ = 12.
+    """
+    if capacity_factor is None:
+        return None
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
+    exact = Fraction(capacity_factor).limit_denominator(10**6) * num_tokens * top_k / num_experts
+    return math.ceil(exact)
+
+
+@dataclass
+class DispatchPlan:
+    token: torch.Tensor  # [S] token index of each kept slot, grouped by expert
+    gate: torch.Tensor  # [S] gate of each kept slot (differentiable)
+    counts: torch.Tensor  # [N] kept slots per expert: the lengths of the contiguous groups
+    routed: torch.Tensor  # [N] slots routed to each expert before dropping
+    slot: torch.Tensor  # [S] slot id r·T + t (choice rank r, token t) of each kept slot
+
+    @property
+    def dropped(self) -> int:
+        return int(self.routed.sum() - self.counts.sum())
+
+
+def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                  capacity: int | None = None) -> DispatchPlan:
+    """Group the T·k token-slots by expert with one stable argsort, dropping each expert's overflow.
+
+    Slots are numbered r·T + t, so the stable sort keeps them in priority order (choice rank, then token) inside
+    each expert's group, and "over capacity" is simply "position in the group >= capacity".
+    """
+    num_tokens, k = indices.shape
+    expert_of_slot = indices.t().reshape(-1)
+    order = torch.argsort(expert_of_slot, stable=True)
+    routed = torch.bincount(expert_of_slot, minlength=num_experts)
+    counts = routed
+    if capacity is not None:
+        starts = routed.cumsum(0) - routed
+        position = torch.arange(order.numel(), device=order.device) - starts[expert_of_slot[order]]
+        order = order[position < capacity]
+        counts = routed.clamp(max=capacity)
+    token = order % num_tokens
+    gate = weights.t().reshape(-1)[order]
+    return DispatchPlan(token, gate, counts, routed, order)
+
+
+def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm (private, torch >= 2.8) takes these operands: on CPU it needs fp32 and rows whose
+    byte strides are multiples of 16 (checked on torch 2.13.0); on CUDA, bf16 on recent GPUs."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
+        return x.dtype == torch.float32 and aligned
+    return x.dtype == torch.bfloat16
+
+
+class Experts(nn.Module):
+    """N SwiGLU experts stored as batched weights: w1, w3 [N, d_model, d_expert] and w2 [N, d_expert, d_model].
+
+    backend: "loop" runs one matmul per expert on its contiguous slice; "grouped_mm" runs torch._grouped_mm with
+    the group offsets; "auto" takes grouped_mm when `grouped_mm_works`, else the loop.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in ("auto", "loop", "grouped_mm"):
+            raise ValueError(f"experts backend {backend!r} is unknown; choose 'auto', 'loop' or 'grouped_mm'")
+        self.backend = backend
+        # Zeros here; build_model / init_parameters give the values (N(0, σ), w2 scaled as a residual output).
+        self.w1 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))
+        self.w3 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))
+        self.w2 = nn.Parameter(torch.zeros(n_experts, d_expert, d_model))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d_model]."""
+        return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model]."""
+        use_grouped = self.backend == "grouped_mm" or (self.backend == "auto" and grouped_mm_works(x, self.w1))
+        if use_grouped:
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, self.w1, offs=offsets)) * torch._grouped_mm(x, self.w3, offs=offsets)
+            return torch._grouped_mm(h, self.w2, offs=offsets)
+        outputs = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                outputs.append(self.expert(e, x[start:start + n]))
+            start += n
+        return torch.cat(outputs) if outputs else x.new_zeros(0, self.w2.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the layer
+
+
+class MoELayer(nn.Module):
+    """Routed experts (+ optional shared experts) in place of a block's dense MLP; input and output [..., d_model].
+
+    After each forward: `aux_loss` (scalar tensor, weighted) and `last_stats` (expert_load [N] fraction of routed
+    slots, drop_rate, balance_loss, z_loss as floats). Buffers: `router_bias` [N] (persistent, changed only by
+    `update_router_biases`) and `tokens_per_expert` [N] (routed slots counted by training forwards since the last
+    bias update).
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.n_experts = moe.n_experts
+        self.top_k = moe.top_k
+        self.router_kind = moe.router
+        self.renormalize = moe.renormalizes()
+        self.scaling = moe.routed_scaling_factor
+        self.capacity_factor = moe.capacity_factor
+        self.aux_loss_coef = moe.aux_loss_coef
+        self.z_loss_coef = moe.z_loss_coef
+        self.bias_update_speed = moe.bias_update_speed
+        d_expert = moe.d_expert or cfg.d_ff
+        self.router = nn.Linear(cfg.d_model, moe.n_experts, bias=False)
+        self.experts = Experts(moe.n_experts, cfg.d_model, d_expert, backend)
+        self.shared = SwiGLU(cfg.d_model, moe.n_shared_experts * d_expert) if moe.n_shared_experts else None
+        self.register_buffer("router_bias", torch.zeros(moe.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+        self.last_stats: dict | None = None
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Routing of rows x [T, d_model]; the router runs in fp32 (ST-MoE §3: bf16 logits destabilize it)."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        return route(logits, self.top_k, self.router_kind, self.router_bias, self.renormalize, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.route(x)
+        capacity = expert_capacity(x.shape[0], self.n_experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(routing.indices, routing.weights, self.n_experts, capacity)
+        h = self.experts(x.index_select(0, plan.token), plan.counts)
+        h = h * plan.gate.to(h.dtype).unsqueeze(-1)
+        y = x.new_zeros(x.shape).index_add(0, plan.token, h)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        self._record(routing, plan)
+        return y.reshape(shape)
+
+    def _record(self, routing: Routing, plan: DispatchPlan) -> None:
+        balance = load_balancing_loss(routing.probs, routing.indices, self.n_experts)
+        z = router_z_loss(routing.logits)
+        self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
+        routed = plan.routed.detach()
+        slots = routing.indices.numel()
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)
+        self.last_stats = {
+            "expert_load": (routed.float() / slots).cpu(),
+            "drop_rate": plan.dropped / slots,
+            "balance_loss": float(balance.detach()),
+            "z_loss": float(z.detach()),
+        }
+
+
+def moe_forward_naive(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The reference the sorted dispatch must equal: for each expert, a boolean mask of its token-slots.
+
+    Capacity is applied GShard's way, with a cumulative sum of one-hot choices in (rank, token) order, so this
+    checks `plan_dispatch` by an independent route. Sets no stats.
+    """
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    routing = layer.route(x)
+    num_tokens, k = routing.indices.shape
+    keep = torch.ones_like(routing.indices, dtype=torch.bool)
+    capacity = expert_capacity(num_tokens, layer.n_experts, k, layer.capacity_factor)
+    if capacity is not None:
+        one_hot = F.one_hot(routing.indices.t().reshape(-1), layer.n_experts)  # [k·T, N], slots in priority order
+        position = (one_hot.cumsum(0) - 1) * one_hot  # how many earlier slots chose the same expert
+        keep = (position.sum(-1) < capacity).view(k, num_tokens).t()
+    y = torch.zeros_like(x)
+    for e in range(layer.n_experts):
+        mask = (routing.indices == e) & keep  # [T, k]
+        rows = mask.any(dim=-1)
+        if rows.any():
+            gate = (routing.weights * mask).sum(dim=-1)[rows]
+            y[rows] += gate.to(x.dtype).unsqueeze(-1) * layer.experts.expert(e, x[rows])
+    if layer.shared is not None:
+        y = y + layer.shared(x)
+    return y.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what the trainer calls
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """Balance figures of the last forward, averaged over MoE layers; {} for a dense model or before a forward.
+
+    moe_load_imbalance: max_i load_i / mean load (1 = perfectly balanced, N = top-1 collapse), also its maximum
+    over layers; moe_drop_rate: fraction of token-slots dropped for capacity; moe_balance_loss and moe_z_loss:
+    the unweighted losses.
+    """
+    stats = [m.last_stats for m in moe_layers(model) if m.last_stats is not None]
+    if not stats:
+        return {}
+    imbalance = [float(s["expert_load"].max() * s["expert_load"].numel()) for s in stats]
+    mean = lambda key: sum(s[key] for s in stats) / len(stats)
+    return {
+        "moe_load_imbalance": sum(imbalance) / len(imbalance),
+        "moe_max_load_imbalance": max(imbalance),
+        "moe_drop_rate": mean("drop_rate"),
+        "moe_balance_loss": mean("balance_loss"),
+        "moe_z_loss": mean("z_loss"),
+    }
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, reduce_fn: Callable[[torch.Tensor], object] | None = None) -> None:
+    """Auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): b_i += γ·sign(mean_load − load_i).
+
+    Call after each optimizer step. load_i is the count of token-slots routed to expert i by every training
+    forward since the previous call; the counts are then reset. reduce_fn, if given, must sum a tensor in place
+    across data-parallel ranks (all layers' counts travel in one tensor). Layers with γ = 0 only reset.
+    """
+    layers = moe_layers(model)
+    active = [m for m in layers if m.bias_update_speed > 0]
+    if active:
+        loads = torch.cat([m.tokens_per_expert for m in active])
+        if reduce_fn is not None:
+            reduce_fn(loads)
+        for m, load in zip(active, loads.split([m.n_experts for m in active])):
+            if load.sum() > 0:
+                m.router_bias += m.bias_update_speed * torch.sign(load.mean() - load)
+    for m in layers:
+        m.tokens_per_expert.zero_()
