@@ -1,0 +1,529 @@
+"""Every byte the course sends goes through here, and is written in a ledger.
+
+Three parts:
+
+1. `Ledger` and `Comm`: a `Comm` wraps one process group and one ledger; each collective or point-to-point call is
+   forwarded to torch.distributed and recorded as (op, group name) -> calls, bytes sent by this rank.
+2. Hand-built collectives from point-to-point messages: `ring_reduce_scatter`, `ring_all_gather`, `ring_all_reduce`
+   (Patarasuk & Yuan 2009), `pairwise_all_to_all`, and `naive_all_reduce` (gather to one rank, reduce, send back)
+   for contrast. They record the bytes their send() calls actually carried.
+3. The α-β cost model (Hockney; Thakur, Rabenseifner & Gropp 2005): time = α·steps + β·bytes sent per rank, and a
+   least-squares fit of α and β from measured timings.
+
+What "bytes sent per rank" means for the torch collectives
+-----------------------------------------------------------
+torch (gloo) does not tell us what it sends, so the ledger records what the bandwidth-optimal ring algorithm sends
+from this rank. Let M be the full tensor's size in bytes (for all-gather: the gathered output; for reduce-scatter:
+the input), p the group size and r this rank's index in the group. The ring cuts the tensor into p chunks
+c_0..c_{p-1} exactly as `torch.tensor_split` does (along dim 0 for all-gather / reduce-scatter, over the flattened
+tensor for all-reduce and broadcast); rank r sends to r+1 and receives from r-1.
+
+    reduce_scatter  M - |c_r|                      rank r ends owning chunk r, it forwards every other chunk once
+    all_gather      M - |c_{r+1}|                  it forwards every chunk but the last one it receives
+    all_reduce      2M - |c_r| - |c_{r+1}|         reduce-scatter then all-gather
+    broadcast       scatter from the source (it sends every chunk but its own: M - |c_src|) then a ring all-gather
+                    (M - |c_{r+1}| on every rank); the long-message broadcast of Thakur et al. 2005, §4.1
+    all_to_all      the bytes of every split except the one this rank keeps for itself
+    send            the tensor's bytes; recv records a call and 0 bytes
+
+When p divides the chunked dimension, these are exactly the textbook figures: all-reduce 2(p-1)/p·M, all-gather and
+reduce-scatter (p-1)/p·M, broadcast 2(p-1)/p·M on the source and (p-1)/p·M elsewhere. Otherwise they are the exact
+integer counts of the ring with uneven chunks; summed over the ranks they are always 2(p-1)·M and (p-1)·M. A group
+of one rank sends nothing (calls are still counted). The hand-built ring functions below use the same chunks and
+schedule, so their measured ledger entries equal these formulas exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ledger
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ledger:
+    """Calls and bytes sent by this rank, per (op, group name). One per rank; return it from a rank to read it."""
+
+    entries: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def record(self, op: str, group: str, nbytes: int, calls: int = 1) -> None:
+        entry = self.entries.setdefault((op, group), [0, 0])
+        entry[0] += calls
+        entry[1] += int(nbytes)
+
+    def bytes(self, op: str | None = None, group: str | None = None) -> int:
+        """Bytes sent, summed over the entries matching `op` and `group` (None matches all)."""
+        return sum(b for (o, g), (_, b) in self.entries.items() if op in (None, o) and group in (None, g))
+
+    def calls(self, op: str | None = None, group: str | None = None) -> int:
+        return sum(c for (o, g), (c, _) in self.entries.items() if op in (None, o) and group in (None, g))
+
+    def totals(self) -> dict[tuple[str, str], dict[str, int]]:
+        """{(op, group): {"calls": n, "bytes": b}} for every entry."""
+        return {key: {"calls": c, "bytes": b} for key, (c, b) in sorted(self.entries.items())}
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def table(self) -> str:
+        """A small text table, one line per (op, group)."""
+        lines = [f"{'op':<22}{'group':<12}{'calls':>8}{'bytes':>14}"]
+        for (op, group), t in self.totals().items():
+            lines.append(f"{op:<22}{group:<12}{t['calls']:>8}{t['bytes']:>14}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte formulas (the ring's exact per-rank counts, see the module docstring)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def chunk_sizes(n: int, p: int) -> list[int]:
+    """Sizes of the p pieces torch.tensor_split cuts n items into: the first n % p pieces get one extra item."""
+    return [n // p + (1 if i < n % p else 0) for i in range(p)]
+
+
+def ring_bytes_sent(op: str, shape: Sequence[int], element_size: int, p: int, rank: int, src: int = 0) -> int:
+    """Bytes the ring algorithm sends from group rank `rank` for collective `op` on a tensor of `shape`.
+
+    `shape` is the full tensor: the input for all_reduce / reduce_scatter / broadcast, the gathered output for
+    all_gather. `src` is the source's group rank for broadcast.
+    """
+    if p == 1:
+        return 0
+    numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    total = numel * element_size
+    if op in ("all_reduce", "broadcast"):
+        unit, n = element_size, numel  # chunked over the flattened tensor
+    elif op in ("all_gather", "reduce_scatter"):
+        n = shape[0]
+        unit = total // n if n else 0  # bytes of one row
+    else:
+        raise ValueError(f"no ring byte formula for {op!r}; expected all_reduce, all_gather, reduce_scatter, broadcast")
+    c = [s * unit for s in chunk_sizes(n, p)]
+    if op == "reduce_scatter":
+        return total - c[rank]
+    if op == "all_gather":
+        return total - c[(rank + 1) % p]
+    if op == "all_reduce":
+        return 2 * total - c[rank] - c[(rank + 1) % p]
+    scatter = total - c[src] if rank == src else 0
+    return scatter + total - c[(rank + 1) % p]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Comm: one group + one ledger
+# ---------------------------------------------------------------------------------------------------------------
+
+_REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+class Handle:
+    """What an async_op=True call returns: `wait()` blocks until done and returns the output tensor."""
+
+    def __init__(self, work: dist.Work | None, output: torch.Tensor | None,
+                 after: Callable[[], None] | None = None) -> None:
+        self._work, self._output, self._after, self._done = work, output, after, False
+
+    def wait(self) -> torch.Tensor | None:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._after is not None:
+                self._after()
+            self._done = True
+        return self._output
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """A process group plus a ledger. Peers (`src`, `dst`, `peer`) are ranks *within this group*.
+
+    `group=None` means the default (world) group when torch.distributed is initialised, and a single rank when it
+    is not; a single-rank Comm makes every collective the identity without touching torch.distributed. Every
+    collective returns its output tensor, or with `async_op=True` a `Handle` whose `wait()` returns it.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None,
+                 name: str | None = None) -> None:
+        self.ledger = ledger if ledger is not None else Ledger()
+        if dist.is_available() and dist.is_initialized():
+            self.group = group if group is not None else dist.group.WORLD
+            if self.group == dist.GroupMember.NON_GROUP_MEMBER:
+                raise ValueError("this rank is not a member of the group; build a Comm only on the group's members")
+            self.ranks = dist.get_process_group_ranks(self.group)
+            self.rank = dist.get_rank(self.group)
+        else:
+            if group is not None:
+                raise ValueError("a group was given but torch.distributed is not initialised")
+            self.group, self.ranks, self.rank = None, [0], 0
+        self.size = len(self.ranks)
+        if name is None:
+            name = "world" if self.group in (None, dist.group.WORLD) else "ranks" + ",".join(map(str, self.ranks))
+        self.name = name
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of this group's member number `group_rank`."""
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Comm({self.name}: ranks {self.ranks}, me={self.rank})"
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _finish(self, work, output: torch.Tensor | None, async_op: bool,
+                after: Callable[[], None] | None = None):
+        handle = Handle(work, output, after)
+        return handle if async_op else handle.wait()
+
+    def _reduce_op(self, op: str) -> dist.ReduceOp:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_REDUCE_OPS)}")
+        return getattr(dist.ReduceOp, _REDUCE_OPS[op])
+
+    # -- collectives ----------------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce `tensor` in place over the group (op: sum, avg, max, min, product). Ledger: 2M - |c_r| - |c_r+1|."""
+        reduce_op = self._reduce_op(op)
+        self.ledger.record("all_reduce", self.name,
+                           ring_bytes_sent("all_reduce", tensor.shape, tensor.element_size(), self.size, self.rank))
+        if self.size == 1:
+            return self._finish(None, tensor, async_op)
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+        after = (lambda: tensor.div_(self.size)) if op == "avg" else None  # gloo has no AVG
+        return self._finish(work, tensor, async_op, after)
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, async_op: bool = False):
+        """Concatenate every rank's `tensor` (same shape everywhere) along dim 0. Ledger: M - |c_r+1|, M = output."""
+        if out is None:
+            out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.size,))
+        self.ledger.record("all_gather", self.name,
+                           ring_bytes_sent("all_gather", out.shape, out.element_size(), self.size, self.rank))
+        if self.size == 1:
+            out.copy_(tensor.reshape(out.shape))
+            return self._finish(None, out, async_op)
+        work = dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor | None = None, op: str = "sum",
+                       async_op: bool = False):
+        """Reduce over the group; rank r gets rows [r·n, (r+1)·n) (p must divide dim 0). Ledger: M - |c_r|."""
+        reduce_op = self._reduce_op(op)
+        if tensor.shape[0] % self.size != 0:
+            raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size "
+                             f"{self.size}; pad it, or use ring_reduce_scatter for uneven chunks")
+        if out is None:
+            out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        self.ledger.record("reduce_scatter", self.name,
+                           ring_bytes_sent("reduce_scatter", tensor.shape, tensor.element_size(), self.size, self.rank))
+        if self.size == 1:
+            out.copy_(tensor)
+            return self._finish(None, out, async_op)
+        work = dist.reduce_scatter_single(out, tensor.contiguous(), op=reduce_op, group=self.group, async_op=True)
+        after = (lambda: out.div_(self.size)) if op == "avg" else None
+        return self._finish(work, out, async_op, after)
+
+    def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor | None = None,
+                   in_splits: Sequence[int] | None = None, out_splits: Sequence[int] | None = None,
+                   async_op: bool = False):
+        """Rank r sends rows in_splits[j] of `tensor` to rank j, and receives out_splits[j] rows from rank j.
+
+        Without splits the rows are divided evenly. With uneven `in_splits`, pass `out_splits` (or `out`) too: a
+        rank cannot know what it will receive (exchange the counts first with an all_to_all of a small tensor).
+        Ledger: the bytes of every split but the one kept by this rank.
+        """
+        p = self.size
+        rows = tensor.shape[0]
+        if in_splits is None:
+            if rows % p:
+                raise ValueError(f"all_to_all without in_splits needs dim 0 ({rows}) divisible by {p}")
+            in_splits = [rows // p] * p
+        if len(in_splits) != p or sum(in_splits) != rows:
+            raise ValueError(f"in_splits {list(in_splits)} must have {p} entries summing to dim 0 = {rows}")
+        if out is None:
+            if out_splits is None:
+                if len(set(in_splits)) > 1:
+                    raise ValueError("uneven in_splits need out_splits (or out) to size the output")
+                out_splits = list(in_splits)
+            out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+        row_bytes = _nbytes(tensor) // rows if rows else 0
+        self.ledger.record("all_to_all", self.name, (rows - in_splits[self.rank]) * row_bytes)
+        if p == 1:
+            out.copy_(tensor)
+            return self._finish(None, out, async_op)
+        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(out_splits) if out_splits
+                                      else None, input_split_sizes=list(in_splits), group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Copy group rank `src`'s `tensor` into `tensor` on every rank. Ledger: scatter + ring all-gather bytes."""
+        self.ledger.record("broadcast", self.name, ring_bytes_sent("broadcast", tensor.shape, tensor.element_size(),
+                                                                   self.size, self.rank, src=src))
+        if self.size == 1:
+            return self._finish(None, tensor, async_op)
+        work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
+        return self._finish(work, tensor, async_op)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    # -- point to point -------------------------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.isend(tensor, dst).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.irecv(tensor, src).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        """Start sending `tensor` to group rank `dst`; do not modify `tensor` before wait()."""
+        self.ledger.record("send", self.name, _nbytes(tensor))
+        return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        """Start receiving into `tensor` (contiguous) from group rank `src`; wait() returns it."""
+        self.ledger.record("recv", self.name, 0)
+        return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor)
+
+    def exchange(self, sends: Iterable[tuple[torch.Tensor, int]] = (),
+                 recvs: Iterable[tuple[torch.Tensor, int]] = ()) -> list[Handle]:
+        """Post several sends and receives at once (batch_isend_irecv) so that no ordering can deadlock.
+
+        `sends` and `recvs` are (tensor, group rank) pairs; returns one Handle per non-empty message. Empty tensors
+        are skipped (the peer skips its matching empty receive). Each send is recorded as a "send".
+        """
+        sends, recvs = list(sends), list(recvs)
+        for t, _ in sends:
+            if t.numel() > 0:
+                self.ledger.record("send", self.name, _nbytes(t))
+        handles, _ = _post(self, sends, recvs)
+        return handles
+
+
+def _post(comm: Comm, sends: Iterable[tuple[torch.Tensor, int]],
+          recvs: Iterable[tuple[torch.Tensor, int]]) -> tuple[list[Handle], int]:
+    """Post non-empty messages without recording them; return their handles and the bytes sent."""
+    sends = [(t.contiguous(), peer) for t, peer in sends if t.numel() > 0]
+    recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
+    ops = [dist.P2POp(dist.isend, t, comm.global_rank(peer), comm.group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, comm.global_rank(peer), comm.group) for t, peer in recvs]
+    if not ops:
+        return [], 0
+    return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)
+
+
+def _wait_all(handles: list[Handle]) -> None:
+    for h in handles:
+        h.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hand-built collectives (Patarasuk & Yuan 2009: the ring is bandwidth optimal)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ring_step(comm: Comm, send: torch.Tensor, recv: torch.Tensor) -> int:
+    """Send `send` to the next rank while receiving `recv` from the previous one; return the bytes sent."""
+    p, r = comm.size, comm.rank
+    handles, sent = _post(comm, [(send, (r + 1) % p)], [(recv, (r - 1) % p)])
+    _wait_all(handles)
+    return sent
+
+
+def _reduce_scatter_phase(chunks: Sequence[torch.Tensor], comm: Comm) -> int:
+    """Ring reduce-scatter over `chunks` in place: afterwards chunk r of rank r holds the sum. Returns bytes sent.
+
+    Step s: rank r sends chunk r-s-1 (its running sum) to r+1, receives chunk r-s-2 from r-1 and adds its own.
+    """
+    p, r = comm.size, comm.rank
+    sent = 0
+    for s in range(p - 1):
+        target = chunks[(r - s - 2) % p]
+        incoming = torch.empty_like(target)
+        sent += _ring_step(comm, chunks[(r - s - 1) % p], incoming)
+        target.add_(incoming)
+    return sent
+
+
+def _all_gather_phase(chunks: Sequence[torch.Tensor], comm: Comm) -> int:
+    """Ring all-gather over `chunks` in place, rank r starting with chunk r. Returns bytes sent.
+
+    Step s: rank r forwards chunk r-s to r+1 and receives chunk r-s-1 from r-1 straight into place.
+    """
+    p, r = comm.size, comm.rank
+    sent = 0
+    for s in range(p - 1):
+        sent += _ring_step(comm, chunks[(r - s) % p], chunks[(r - s - 1) % p])
+    return sent
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum `tensor` over the group; return chunk `comm.rank` of `torch.tensor_split(sum, p, dim=0)` (any dim-0 size).
+
+    `tensor` is left unchanged. Ledger ("ring_reduce_scatter"): the bytes actually sent, M - |c_r|.
+    """
+    work = tensor.contiguous().clone()
+    chunks = torch.tensor_split(work, comm.size, dim=0)
+    sent = _reduce_scatter_phase(chunks, comm) if comm.size > 1 else 0
+    comm.ledger.record("ring_reduce_scatter", comm.name, sent)
+    return chunks[comm.rank].clone()
+
+
+def ring_all_gather(tensor: torch.Tensor, comm: Comm, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dim 0.
+
+    `sizes[j]` is rank j's dim-0 size; by default every rank's is the same. Uneven sizes make this the inverse of
+    `ring_reduce_scatter`. Ledger ("ring_all_gather"): the bytes actually sent, M - |c_r+1| (M = the output).
+    """
+    p, r = comm.size, comm.rank
+    sizes = [tensor.shape[0]] * p if sizes is None else list(sizes)
+    if len(sizes) != p or sizes[r] != tensor.shape[0]:
+        raise ValueError(f"sizes {sizes} must have {p} entries with sizes[{r}] = this rank's dim 0 ({tensor.shape[0]})")
+    out = tensor.new_empty((sum(sizes), *tensor.shape[1:]))
+    chunks = torch.split(out, sizes, dim=0)
+    chunks[r].copy_(tensor)
+    sent = _all_gather_phase(chunks, comm) if p > 1 else 0
+    comm.ledger.record("ring_all_gather", comm.name, sent)
+    return out
+
+
+def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum `tensor` (contiguous, any size) over the group in place and return it: reduce-scatter + all-gather.
+
+    Ledger ("ring_all_reduce"): the bytes actually sent, 2M - |c_r| - |c_r+1| (= 2(p-1)/p·M when p divides numel).
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce works in place and needs a contiguous tensor; pass tensor.contiguous()")
+    chunks = torch.tensor_split(tensor.view(-1), comm.size)
+    sent = 0
+    if comm.size > 1:
+        sent = _reduce_scatter_phase(chunks, comm) + _all_gather_phase(chunks, comm)
+    comm.ledger.record("ring_all_reduce", comm.name, sent)
+    return tensor
+
+
+def naive_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum in place by gathering everything on group rank 0, adding, and sending the sum back to each rank.
+
+    Rank 0 sends (p-1)·M bytes and every other rank M: the root's link carries p/2 times what a ring rank sends.
+    Ledger ("naive_all_reduce"): the bytes actually sent.
+    """
+    p, r = comm.size, comm.rank
+    sent = 0
+    if p > 1:
+        if r == 0:
+            incoming = torch.empty_like(tensor)
+            for src in range(1, p):
+                _wait_all(_post(comm, [], [(incoming, src)])[0])
+                tensor.add_(incoming)
+            handles, sent = _post(comm, [(tensor, dst) for dst in range(1, p)], [])
+            _wait_all(handles)
+        else:
+            handles, sent = _post(comm, [(tensor, 0)], [])
+            _wait_all(handles)
+            _wait_all(_post(comm, [], [(tensor, 0)])[0])
+    comm.ledger.record("naive_all_reduce", comm.name, sent)
+    return tensor
+
+
+def pairwise_all_to_all(tensor: torch.Tensor, comm: Comm, in_splits: Sequence[int],
+                        out_splits: Sequence[int]) -> torch.Tensor:
+    """All-to-all from point-to-point messages: at step s, send to rank r+s and receive from rank r-s.
+
+    Same meaning as `Comm.all_to_all`. Ledger ("pairwise_all_to_all"): the bytes actually sent.
+    """
+    p, r = comm.size, comm.rank
+    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+    pieces_in = torch.split(tensor.contiguous(), list(in_splits), dim=0)
+    pieces_out = torch.split(out, list(out_splits), dim=0)
+    pieces_out[r].copy_(pieces_in[r])
+    sent = 0
+    for s in range(1, p):
+        dst, src = (r + s) % p, (r - s) % p
+        handles, n = _post(comm, [(pieces_in[dst], dst)], [(pieces_out[src], src)])
+        _wait_all(handles)
+        sent += n
+    comm.ledger.record("pairwise_all_to_all", comm.name, sent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# α-β cost model
+# ---------------------------------------------------------------------------------------------------------------
+
+_ALIASES = {"ring_all_reduce": "all_reduce", "ring_all_gather": "all_gather",
+            "ring_reduce_scatter": "reduce_scatter", "pairwise_all_to_all": "all_to_all"}
+
+
+def cost_terms(op: str, nbytes: float, p: int) -> tuple[float, float]:
+    """(steps, bytes) on one rank's critical path for collective `op` on M = `nbytes` over p ranks.
+
+    Every step pays a latency α; every byte a rank sends pays β (one link per rank, full duplex; the reduction's
+    arithmetic is ignored). M is the full tensor, as in the ledger.
+
+        all_reduce (ring)   2(p-1) steps, 2(p-1)/p·M     reduce_scatter, all_gather   (p-1), (p-1)/p·M
+        naive_all_reduce    2(p-1) steps, 2(p-1)·M       (the root receives p-1 tensors, then sends p-1, one by one)
+        broadcast           2(p-1) steps, 2(p-1)/p·M     (scatter then ring all-gather)
+        all_to_all          (p-1) steps, (p-1)/p·M       (pairwise exchange)      send   1 step, M
+    """
+    op = _ALIASES.get(op, op)
+    if p < 1:
+        raise ValueError(f"p must be >= 1, got {p}")
+    if p == 1:
+        return 0.0, 0.0
+    table = {
+        "all_reduce": (2 * (p - 1), 2 * (p - 1) / p),
+        "reduce_scatter": (p - 1, (p - 1) / p),
+        "all_gather": (p - 1, (p - 1) / p),
+        "naive_all_reduce": (2 * (p - 1), 2 * (p - 1)),
+        "broadcast": (2 * (p - 1), 2 * (p - 1) / p),
+        "all_to_all": (p - 1, (p - 1) / p),
+        "send": (1, 1),
+    }
+    if op not in table:
+        raise ValueError(f"no cost model for {op!r}; expected one of {sorted(table) + sorted(_ALIASES)}")
+    steps, factor = table[op]
+    return float(steps), factor * nbytes
+
+
+def alpha_beta_time(op: str, nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Predicted seconds: α·steps + β·bytes (see `cost_terms`); α in seconds, β in seconds per byte."""
+    steps, sent = cost_terms(op, nbytes, p)
+    return alpha * steps + beta * sent
+
+
+def fit_alpha_beta(samples: Iterable[tuple[str, float, int, float]]) -> tuple[float, float]:
+    """Fit (α, β) to measured (op, nbytes, p, seconds) by least squares on the relative error.
+
+    Relative error, because timings span orders of magnitude and a plain fit would ignore the small messages that
+    determine α. Both coefficients are kept non-negative (a negative one is set to 0 and the other refitted).
+    """
+    rows, times = [], []
+    for op, nbytes, p, seconds in samples:
+        steps, sent = cost_terms(op, nbytes, p)
+        rows.append((steps / seconds, sent / seconds))
+        times.append(1.0)
+    a, y = np.array(rows, dtype=np.float64), np.array(times)
+    if len(a) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least 2 timings, got {len(a)}")
+    (alpha, beta), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if alpha < 0 or beta < 0:
+        col = 1 if alpha < 0 else 0  # keep only the other term
+        coef = float(a[:, col] @ y / (a[:, col] @ a[:, col]))
+        alpha, beta = (0.0, coef) if col == 1 else (coef, 0.0)
+    return float(alpha), float(beta)
