@@ -1,0 +1,85 @@
+"""The single-device reference that every parallel layout must reproduce (DESIGN §2: parity is the law).
+
+One model, seed, data order and optimizer. A parallel test runs the same steps under its layout and compares:
+the loss of every step (the mean over the whole global batch) and the full gradient of the first step (gathered
+from shards, keyed by parameter name), within fp32 tolerance. Gradient clipping is on and active, so a wrong
+global norm across shards (double-counted replicas, missing shards) shows up as a loss mismatch. Clipping and
+Adam both hide a uniformly mis-scaled gradient (e.g. a missing 1/micro-batches factor) from the losses; the
+first-step gradients, compared before clipping, catch it.
+
+Rank processes import this module too (tests/ is on their sys.path), so keep it free of pytest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from minidist.data import BatchSampler, load_corpus
+from minidist.model import ModelConfig, build_model, get_preset, lm_loss
+
+# Every layout of the course divides these: 4 heads, 2 KV heads, 4 layers, vocab 256, batch 8, seq 32.
+CFG: ModelConfig = get_preset("tiny", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+STEPS = 3
+SEED = 1234
+LR = 3e-3
+GRAD_CLIP = 0.5  # below the first steps' gradient norm (~2.5), so clipping is exercised
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+
+
+@functools.lru_cache(maxsize=1)
+def _tokens() -> torch.Tensor:
+    return load_corpus(max_bytes=300_000).train
+
+
+def global_batch(step: int, global_batch_size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets [global_batch, SEQ_LEN] of `step`, the same on every rank and every layout."""
+    return BatchSampler(_tokens(), SEQ_LEN, global_batch_size, SEED).batch(step)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """The reference optimizer; a sharded optimizer must implement exactly this update."""
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+
+
+@functools.lru_cache(maxsize=4)
+def reference_run(cfg: ModelConfig = CFG, steps: int = STEPS) -> dict:
+    """Train on one device; return {"losses": [...], "grad_norms": [...], "grads": first step's grads by name}."""
+    model = build_model(cfg, seed=SEED)
+    optimizer = make_optimizer(model.parameters())
+    losses, grad_norms, first_grads = [], [], {}
+    for step in range(steps):
+        inputs, targets = global_batch(step)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": grad_norms, "grads": first_grads}
+
+
+def assert_losses_match(losses: list[float], reference: list[float], label: str) -> None:
+    got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=LOSS_RTOL, atol=LOSS_ATOL):
+        raise AssertionError(f"{label}: losses {losses} differ from the single-device run {reference}")
+
+
+def assert_grads_match(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], label: str) -> None:
+    missing = sorted(set(reference) - set(grads))
+    extra = sorted(set(grads) - set(reference))
+    if missing or extra:
+        raise AssertionError(f"{label}: gradient names differ: missing {missing}, unexpected {extra}")
+    for name, want in reference.items():
+        got = grads[name]
+        if got.shape != want.shape:
+            raise AssertionError(f"{label}: {name} gradient has shape {tuple(got.shape)}, want {tuple(want.shape)}")
+        if not torch.allclose(got.float(), want, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+            err = (got.float() - want).abs().max().item()
+            raise AssertionError(f"{label}: {name} gradient differs from the single-device one (max |diff| {err:.2e})")
