@@ -55,10 +55,6 @@ def peak_flops(chip: str) -> float:
 # parameter counts, by component
 
 
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
 def _norm(cfg: ModelConfig, dim: int) -> int:
     # RMSNorm has a gain; LayerNorm a gain and, when the model uses biases, a bias.
     return dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
@@ -66,26 +62,23 @@ def _norm(cfg: ModelConfig, dim: int) -> int:
 
 def _attention_weights(cfg: ModelConfig) -> tuple[int, int]:
     """(matmul weights, biases + norm gains) of one attention layer."""
-    d, h, b = cfg.d_model, cfg.n_heads, cfg.bias
+    d, h = cfg.d_model, cfg.n_heads
     if cfg.attention == "mla":
+        # No biases (absorption folds the matrices into each other); q_norm and kv_norm are RMSNorms.
         m = cfg.mla
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             shapes = [(d, h * qk_dim)]
-            extra = 0
+            gains = 0
         else:
             shapes = [(d, m.q_lora_rank), (m.q_lora_rank, h * qk_dim)]
-            extra = _norm(cfg, m.q_lora_rank)
+            gains = m.q_lora_rank
         shapes += [(d, m.kv_lora_rank + m.qk_rope_head_dim), (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)),
                    (h * m.v_head_dim, d)]
-        extra += _norm(cfg, m.kv_lora_rank)
-    else:
-        q, kv = h * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        shapes = [(d, q), (d, kv), (d, kv), (q, d)]
-        extra = 0
-    weights = sum(i * o for i, o in shapes)
-    biases = sum(_linear(i, o, b) - i * o for i, o in shapes)
-    return weights, biases + extra
+        return sum(i * o for i, o in shapes), gains + m.kv_lora_rank
+    q, kv = h * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    biases = (q + 2 * kv + d) if cfg.bias else 0
+    return 2 * d * q + 2 * d * kv, biases
 
 
 def _dense_mlp(cfg: ModelConfig) -> tuple[int, int]:
@@ -146,8 +139,8 @@ def count_params(cfg: ModelConfig, include_embeddings: bool = True, active_only:
     MoE layers are counted as: router = Linear(d_model, n_experts, no bias), every expert (routed or shared) a
     SwiGLU with hidden size d_expert (default d_ff) and no biases, the first `first_dense_layers` blocks dense.
     MLA: wq (or wq_a d→q_lora_rank, q_norm, wq_b q_lora_rank→H·(nope+rope)), wkv_a d→kv_lora_rank+rope,
-    kv_norm, wkv_b kv_lora_rank→H·(nope+v), wo H·v→d; biases when cfg.bias. These are meant to match
-    minidist.model.moe and minidist.model.mla; tests compare them with built modules where those exist.
+    kv_norm, wkv_b kv_lora_rank→H·(nope+v), wo H·v→d, no biases, RMSNorm gains. These match minidist.model.moe
+    and minidist.model.mla (tests/test_flops.py compares them with built models).
     """
     parts = param_breakdown(cfg, active_only)
     if not include_embeddings:

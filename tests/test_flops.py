@@ -113,17 +113,22 @@ def test_moe_total_minus_active_is_the_unused_experts():
     assert count_params(dense, active_only=True) == count_params(dense)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("minidist.model.moe") is None, reason="minidist.model.moe not written yet")
+HAS_MOE = importlib.util.find_spec("minidist.model.moe") is not None
+HAS_MLA = importlib.util.find_spec("minidist.model.mla") is not None
+MOE = dict(n_experts=4, top_k=2, n_shared_experts=1, d_expert=64, first_dense_layers=1)
+MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+@pytest.mark.skipif(not HAS_MOE, reason="minidist.model.moe not written yet")
 def test_moe_count_equals_the_built_moe_model():
-    cfg = get_preset("tiny", moe=dict(n_experts=4, top_k=2, n_shared_experts=1, d_expert=64, first_dense_layers=1))
+    cfg = get_preset("tiny", moe=MOE)
     assert count_params(cfg) == numel_on_meta(cfg)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("minidist.model.mla") is None, reason="minidist.model.mla not written yet")
+@pytest.mark.skipif(not HAS_MLA, reason="minidist.model.mla not written yet")
 @pytest.mark.parametrize("q_lora_rank", [None, 48])
 def test_mla_count_equals_the_built_mla_model(q_lora_rank):
-    cfg = get_preset("tiny", attention="mla", mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
-                                                          qk_rope_head_dim=8, v_head_dim=16))
+    cfg = get_preset("tiny", attention="mla", mla={**MLA, "q_lora_rank": q_lora_rank})
     assert count_params(cfg) == numel_on_meta(cfg)
 
 
@@ -151,6 +156,19 @@ def test_flops_per_token_equals_flop_counter_on_forward_and_backward(name):
     assert counted_flops(model, tokens) == flops_per_token(cfg, seq) * batch * seq
     # Backward = 2 × forward: the forward alone is a third.
     assert counted_flops(model, tokens, backward=False) * 3 == flops_per_token(cfg, seq) * batch * seq
+
+
+@pytest.mark.skipif(not (HAS_MOE and HAS_MLA), reason="minidist.model.moe / mla not written yet")
+def test_flops_per_token_equals_flop_counter_for_mla_and_moe():
+    """MLA: scores over nope+rope dims, values over v dims. MoE: router + top_k routed + shared experts per token
+    (dropless). The experts run their per-expert loop here: torch._grouped_mm has no formula in FlopCounterMode."""
+    cfg = get_preset("tiny", n_layers=2, attention="mla", mla=MLA, moe=MOE)
+    model = build_model(cfg)
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = "loop"
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    assert counted_flops(model, tokens) == flops_per_token(cfg, 32) * tokens.numel()
 
 
 def test_flops_per_token_is_6N_plus_palm_attention_term():
