@@ -22,7 +22,7 @@ tensor for all-reduce and broadcast); rank r sends to r+1 and receives from r-1.
     all_gather      M - |c_{r+1}|                  it forwards every chunk but the last one it receives
     all_reduce      2M - |c_r| - |c_{r+1}|         reduce-scatter then all-gather
     broadcast       scatter from the source (it sends every chunk but its own: M - |c_src|) then a ring all-gather
-                    (M - |c_{r+1}| on every rank); the long-message broadcast of Thakur et al. 2005, §4.1
+                    (M - |c_{r+1}| on every rank); the long-message broadcast of Thakur et al. 2005
     all_to_all      the bytes of every split except the one this rank keeps for itself
     send            the tensor's bytes; recv records a call and 0 bytes
 

@@ -135,6 +135,10 @@ class Topology:
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int) -> None:
         dims.validate(world_size)
+        if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
+            actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
+            raise ValueError(f"Topology for {world_size} ranks needs torch.distributed initialised with "
+                             f"{world_size} ranks (it has {actual})")
         self.dims = dims
         self.rank = rank
         self.world_size = world_size
