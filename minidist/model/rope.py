@@ -50,10 +50,13 @@ def rope_frequencies(head_dim: int, base: float = 10000.0) -> torch.Tensor:
     return _inv_freq64(head_dim, base).float()
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(m·θ_i)·scale and sin(m·θ_i)·scale, each of shape [*positions.shape, head_dim // 2], in float32."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device, torch.float32)
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0, *,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(m·θ_i)·scale and sin(m·θ_i)·scale, each of shape [*positions.shape, head_dim // 2], in float32.
+
+    The angles are computed in float32 (the model's choice); pass dtype=torch.float64 for exact checks.
+    """
+    angles = positions.to(dtype)[..., None] * inv_freq.to(positions.device, dtype)
     return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
@@ -65,7 +68,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """Rotate the last dimension of x ([..., T, head_dim]) by precomputed cos/sin ([T, head_dim // 2])."""
-    x32 = x.float()
+    # At least float32 (bf16 angles would be far off at large positions); float64 stays float64.
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    cos, sin = cos.to(x32.dtype), sin.to(x32.dtype)
     if layout == "half":
         x1, x2 = x32.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -81,7 +86,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, la
     """Rotate x ([..., T, head_dim]) at positions ([T], may be fractional) with frequencies θ ([head_dim // 2])."""
     if x.shape[-1] != 2 * freqs.shape[-1]:
         raise ValueError(f"x has head_dim {x.shape[-1]} but {freqs.shape[-1]} frequencies; need head_dim // 2 of them")
-    cos, sin = rope_cos_sin(positions, freqs)
+    cos, sin = rope_cos_sin(positions, freqs, dtype=torch.promote_types(x.dtype, torch.float32))
     return apply_rotary(x, cos, sin, layout)
 
 
