@@ -1,0 +1,97 @@
+"""The optimizer and its learning-rate schedule: AdamW with decoupled weight decay, warm-up then cosine decay.
+
+Which parameters are decayed. Weight decay (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization")
+pulls every decayed weight towards zero by lr·λ·w per step. We decay the matrices of linear layers (and MoE expert
+weights, stored as 3-D tensors) and nothing else:
+
+- norm gains and biases: a gain of 1 is the neutral value, not 0; decaying it fights the normalization, and these
+  vectors hold too few numbers to overfit with;
+- embeddings (token and learned position): a row moves only when its token occurs, but decay shrinks every row
+  every step, so rare tokens drift to zero between their updates; OLMo 2 (OLMo et al. 2024, "2 OLMo 2 Furious",
+  §3.2) dropped embedding decay for stability. With tied embeddings the shared matrix counts as an embedding.
+
+The rule reads module types and shapes, not names, so a tensor-parallel swap of nn.Linear for a sharded linear
+keeps working as long as the sharded weight stays 2-D and the embedding stays an nn.Embedding subclass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices (decayed) and everything else (norm gains, biases, embeddings: not decayed)."""
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay = [], []
+    for param in model.parameters():  # .parameters() yields a tied weight once
+        if not param.requires_grad:
+            continue
+        if param.ndim >= 2 and id(param) not in embedding_ids:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over `param_groups`. The fused kernel is used on CUDA only (on CPU it is not faster)."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                             fused=True if on_cuda else False)
+
+
+@dataclass
+class WarmupCosine:
+    """Linear warm-up from ~0 to max_lr over warmup_steps, then cosine decay to min_lr at total_steps.
+
+    lr(s) = max_lr·(s+1)/warmup                                       for s < warmup
+          = min_lr + ½(max_lr − min_lr)(1 + cos(π·(s − warmup)/(total − warmup)))   afterwards (min_lr past total)
+
+    The schedule is a pure function of the step, so resuming needs only the step; `state_dict` stores the
+    settings so a resumed run can check it continues the same schedule.
+    """
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+
+    def __post_init__(self) -> None:
+        if self.max_lr < 0 or self.min_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={self.max_lr}, min_lr={self.min_lr}")
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.max_lr}; pick min_lr <= lr")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.max_lr * (step + 1) / self.warmup_steps
+        decay_steps = self.total_steps - self.warmup_steps
+        if decay_steps <= 0 or step >= self.total_steps:
+            return self.min_lr if decay_steps > 0 else self.max_lr
+        progress = (step - self.warmup_steps) / decay_steps
+        return self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Set the learning rate of every group for `step`; return it."""
+        lr = self(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != self.state_dict():
+            changed = [f"{k} {state.get(k)} -> {v}" for k, v in self.state_dict().items() if state.get(k) != v]
+            raise ValueError(f"the checkpoint's LR schedule differs from this run's: {', '.join(changed)}")

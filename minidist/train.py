@@ -1,0 +1,867 @@
+"""The trainer: `python -m minidist.train` on one process, `torchrun --nproc_per_node=N -m minidist.train` on N.
+
+Read it top to bottom; each part is one short function:
+
+1. Configuration: `TrainConfig`, read from defaults < a TOML file < command-line flags (`parse_config`), checked
+   by `check_config` (bad values are one-line `ConfigError`s; the command line prints them and exits with 2).
+2. The rank grid: `DistEnv` (what torchrun says about this process), `resolve_parallel_dims` (checked against the
+   world size before any process group exists), `init_distributed` (world size 1 creates no process group).
+3. The model and the step: `build_parallel_model` (build the full model, then `parallelize` it for the layout),
+   `forward_backward` (gradient accumulation over micro-batches), `clip_grad_norm`, `train_step`, `evaluate`.
+4. The loop: `train(cfg)` sets up a `Run` (`setup`), restores it (`restore`) and runs `train_loop`, which logs
+   `OUT/metrics.jsonl`, evaluates, checkpoints and finally plots `OUT/loss.png`.
+
+Where the parallel chapters plug in: `resolve_parallel_dims` (drop the "not available yet" error of a dimension),
+`parallelize` (swap modules, keep this rank's pipeline stage, shard parameters, hook gradient reduction),
+`local_batches` (which rows and which positions this rank sees), `global_mean` (the logged loss over replicas),
+`clip_grad_norm` (a norm over sharded gradients) and `forward_backward` (a pipeline schedule replaces the plain loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import sys
+import time
+import tomllib
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist import checkpoint, flops, health
+from minidist.data import VOCAB_SIZE, BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.model import ModelConfig, build_model, get_preset, lm_loss
+from minidist.optim import WarmupCosine, build_optimizer
+from minidist.plots import plot_losses, read_metrics
+from minidist.topology import ParallelDims, Topology
+
+# ================================================================================================================
+# 1. Configuration
+# ================================================================================================================
+
+
+class ConfigError(ValueError):
+    """A bad setting. The command line prints it as one line on stderr and exits with code 2."""
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. TOML keys and flags have the same names (flags with '-' for '_').
+
+    The model is a preset plus overrides: `[model]` in TOML holds `preset = "tiny"` and any ModelConfig field
+    (`n_layers = 2`, `moe = {n_experts = 4}`); on the command line `--model tiny --set model.n_layers=2`.
+    """
+
+    # model
+    model: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    # data: "stdlib" (the standard library's source), a text file, a directory of text files, a .bin or .npy file
+    data: str = "stdlib"
+    max_bytes: int | None = None
+    val_fraction: float = 0.05
+    # batch: global sizes, whatever the layout
+    batch_size: int = 16
+    seq_len: int = 128
+    microbatches: int = 1
+    # optimizer and schedule
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # precision and device
+    dtype: str = "fp32"
+    device: str = "auto"
+    # parallel layout (dp None: whatever the other dimensions leave of the world size)
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    # evaluation, logging, checkpoints
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 10
+    ckpt_every: int = 100
+    resume: bool = False
+    out: str = "runs/tiny"
+    seed: int = 0
+    peak_flops: float | None = None
+    plot: bool = True
+
+
+# (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
+FLAGS: list[tuple[str, str]] = [
+    ("--model", "model preset (tiny, small, gpt2-124m, llama2-7b, ...); override fields with --set model.KEY=V"),
+    ("--data", "text source: 'stdlib', a text file, a directory, a glob, a .bin (uint8) or .npy file"),
+    ("--max-bytes", "read at most this many bytes of the corpus (quick runs)"),
+    ("--val-fraction", "fraction of the corpus held out for validation (split by file)"),
+    ("--batch-size", "global batch in sequences, summed over data-parallel ranks and micro-batches"),
+    ("--seq-len", "tokens per sequence"),
+    ("--microbatches", "gradient accumulation: split each rank's batch into this many micro-batches"),
+    ("--steps", "optimizer steps"),
+    ("--lr", "peak learning rate, reached after the warm-up"),
+    ("--min-lr", "learning rate at the end of the cosine decay"),
+    ("--warmup-steps", "steps of linear warm-up"),
+    ("--weight-decay", "AdamW decoupled weight decay on weight matrices (not norms, biases, embeddings)"),
+    ("--beta1", "AdamW beta1"),
+    ("--beta2", "AdamW beta2"),
+    ("--grad-clip", "clip the global gradient norm to this value (0: no clipping; the norm is logged anyway)"),
+    ("--dtype", "fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
+    ("--device", "auto (cuda if available), cpu or cuda"),
+    ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
+    ("--tp", "tensor-parallel degree"),
+    ("--pp", "pipeline-parallel degree"),
+    ("--cp", "context-parallel degree"),
+    ("--ep", "expert-parallel degree (carved out of dp*cp)"),
+    ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
+    ("--eval-every", "validation loss every N steps and at the end (0: only at the end)"),
+    ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
+    ("--log-every", "progress line every N steps"),
+    ("--ckpt-every", "checkpoint every N steps and at the end (0: never)"),
+    ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
+    ("--seed", "seed of the initialization and of the data order"),
+    ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # One line, like every other configuration error (argparse would print the whole usage first).
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    hints = typing.get_type_hints(TrainConfig)
+    parser = _Parser(prog="python -m minidist.train", description=__doc__.split("\n")[0],
+                     argument_default=argparse.SUPPRESS)  # absent flags stay absent: they must not override TOML
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
+    for flag, text in FLAGS:
+        key = flag[2:].replace("-", "_")
+        kind = next(t for t in (typing.get_args(hints[key]) or (hints[key],)) if t is not type(None))
+        parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text} (default: {getattr(defaults, key)})")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Defaults < the --config TOML file < flags < --set items, in that order; checked before it is returned."""
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    if "config" in args:
+        values = _merge(values, read_toml(args.pop("config")))
+    sets = args.pop("set")
+    if "model" in args:
+        args["model"] = {"preset": args["model"]}
+    values = _merge(values, args)
+    for item in sets:
+        values = _merge(values, _parse_set(item))
+    cfg = config_from_values(values)
+    check_config(cfg)
+    return cfg
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def _parse_set(item: str) -> dict[str, Any]:
+    """'model.n_layers=2' -> {'model': {'n_layers': 2}}; the value is read as TOML, else kept as a string."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set model.n_layers=2)")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_values(values: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from TOML-shaped values ({"steps": 10, "model": {"preset": "tiny", "n_layers": 2}})."""
+    values = dict(values)
+    model = values.pop("model", {})
+    model = {"preset": model} if isinstance(model, str) else dict(model) if isinstance(model, dict) else model
+    if not isinstance(model, dict):
+        raise ConfigError(f"model must be a preset name or a table, got {model!r}")
+    hints = typing.get_type_hints(TrainConfig)
+    known = sorted(set(hints) - {"model", "model_overrides"})
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}; known: {known} and a [model] table")
+    kwargs = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
+    preset = model.pop("preset", TrainConfig.model)
+    return TrainConfig(model=_coerce("model.preset", preset, str), model_overrides=model, **kwargs)
+
+
+def config_to_values(cfg: TrainConfig) -> dict[str, Any]:
+    """The inverse of `config_from_values` (what run.json and checkpoints record)."""
+    values = dataclasses.asdict(cfg)
+    values["model"] = {"preset": values.pop("model"), **values.pop("model_overrides")}
+    return values
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    allowed = typing.get_args(hint) or (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
+        names = " or ".join(t.__name__ for t in allowed if t is not type(None))
+        raise ConfigError(f"{key} must be {names}, got {value!r}")
+    return value
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    try:
+        return get_preset(cfg.model, **cfg.model_overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_config(cfg: TrainConfig) -> ModelConfig:
+    """Raise a one-line ConfigError for the first bad setting; return the resolved model config."""
+    mcfg = model_config(cfg)
+    at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
+                "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    for key, low in at_least.items():
+        if getattr(cfg, key) < low:
+            raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
+    if cfg.dp is not None and cfg.dp < 1:
+        raise ConfigError(f"dp must be >= 1, got {cfg.dp}")
+    if cfg.batch_size % cfg.microbatches:
+        fits = [m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0]
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
+                          f"microbatches in {fits} would fit")
+    if cfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; "
+                          f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
+    if mcfg.vocab_size < VOCAB_SIZE:
+        raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
+    for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda"))):
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
+    if cfg.zero > 3:
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    for key in ("weight_decay", "grad_clip"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if not 0 <= cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.max_bytes is not None and cfg.max_bytes < 1:
+        raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
+    if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not Path(cfg.data).expanduser().exists():
+        raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
+                          "a .bin/.npy file, or 'stdlib'")
+    _schedule(cfg)  # its own checks (lr >= min_lr >= 0)
+    return mcfg
+
+
+def _schedule(cfg: TrainConfig) -> WarmupCosine:
+    try:
+        return WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ================================================================================================================
+# 2. The rank grid
+# ================================================================================================================
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job: from an initialised process group, else from torchrun's variables."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def detect(cls) -> DistEnv:
+        if dist.is_available() and dist.is_initialized():  # e.g. minidist.launch.run_ranks
+            return cls(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+# What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
+NOT_AVAILABLE_YET = {
+    "dp": ("data parallelism", "07"),
+    "tp": ("tensor parallelism", "08"),
+    "pp": ("pipeline parallelism", "09"),
+    "cp": ("context parallelism", "10"),
+    "ep": ("expert parallelism", "11"),
+}
+ZERO_CHAPTER = "07"
+
+
+def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The layout of this run, checked against the world size. Called before any process group is created."""
+    rest = cfg.tp * cfg.pp * cfg.cp
+    dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
+    try:
+        dims = ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        dims.validate(world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name, (what, chapter) in NOT_AVAILABLE_YET.items():
+        if getattr(dims, name) > 1:
+            raise ConfigError(f"--{name} {getattr(dims, name)}: {what} is not available yet (chapter {chapter})")
+    if cfg.zero > 0 and ZERO_CHAPTER:
+        raise ConfigError(f"--zero {cfg.zero}: ZeRO sharding is not available yet (chapter {ZERO_CHAPTER})")
+    if cfg.batch_size % (dims.dp * cfg.microbatches):
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
+                          f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
+    return dims
+
+
+def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> tuple[Topology, bool]:
+    """Join the process group (unless world size 1, or already joined) and slice the rank grid into groups.
+
+    Returns the topology and whether this call created the default group (then `train` destroys it at the end).
+    """
+    created = False
+    if env.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
+                                world_size=env.world_size)
+        created = True
+    return Topology(dims, env.rank, env.world_size), created
+
+
+def pick_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available; use --device cpu")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+# ================================================================================================================
+# 3. The model and one step
+# ================================================================================================================
+
+
+def build_parallel_model(mcfg: ModelConfig, cfg: TrainConfig, topo: Topology, device: torch.device) -> nn.Module:
+    """Every rank builds the full model from (seed, parameter names), then keeps and wraps its part."""
+    model = build_model(mcfg, seed=cfg.seed).to(device)
+    return parallelize(model, topo, cfg)
+
+
+def parallelize(model: nn.Module, topo: Topology, cfg: TrainConfig) -> nn.Module:
+    """Transform a full model for this rank's place in the grid (DESIGN §2). World size 1: the model itself.
+
+    The chapters add, in this order: tensor + sequence parallel (08: swap linears and embeddings for sharded ones),
+    expert parallel (11: keep this rank's experts), pipeline parallel (09: keep this stage's blocks), context
+    parallel (10: ring attention), data parallel / ZeRO (07: gradient reduction hooks, sharded optimizer state).
+    """
+    return model
+
+
+def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the global batch of `step`, split into micro-batches of (inputs, targets)."""
+    inputs, targets = sampler.shard(step, topo.coord("dp"), topo.size("dp"))
+    inputs, targets = inputs.to(device), targets.to(device)
+    return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
+
+
+def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context the forward pass runs in: bf16 autocast, or nothing for fp32."""
+    if dtype == "bf16":
+        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean LM loss over this rank's micro-batches (fp32)
+    grad_norm: float  # global gradient norm before clipping
+    aux_loss: float = 0.0  # MoE balancing losses, mean over micro-batches
+
+
+def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                     autocast: Callable = contextlib.nullcontext, with_aux: bool = False) -> tuple[float, float]:
+    """Accumulate the gradient of the mean loss over the micro-batches; return (mean LM loss, mean aux loss).
+
+    Every micro-batch has the same number of tokens, so the mean over the global batch is the mean of the
+    micro-batch means: scaling each micro-batch loss by 1/M before backward makes the summed gradients equal the
+    full-batch gradient (forgetting the 1/M gives an M-times too large gradient).
+    """
+    scale = 1.0 / len(batches)
+    total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+    aux_total = torch.zeros_like(total)
+    for inputs, targets in batches:
+        with autocast():
+            logits = model(inputs)
+        loss = lm_loss(logits, targets)  # cross-entropy in fp32, whatever the autocast dtype
+        health.check_fp32("loss", loss)
+        objective = loss
+        if with_aux:
+            aux = model.aux_loss().float()
+            objective = objective + aux
+            aux_total += aux.detach()
+        (objective * scale).backward()
+        total += loss.detach()
+    return (total * scale).item(), (aux_total * scale).item()
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients to a global L2 norm of max_norm (0: no clipping); return the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               *, step: int, grad_clip: float, autocast: Callable = contextlib.nullcontext,
+               with_aux: bool = False) -> StepResult:
+    """One optimizer step on the micro-batches of one global batch. Stops (TrainingDiverged) before a bad update."""
+    loss, aux = forward_backward(model, batches, autocast, with_aux)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    health.check_finite(step, loss, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, grad_norm, aux)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast: Callable = contextlib.nullcontext) -> float:
+    """Mean LM loss over fixed validation batches."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32)
+    for inputs, targets in batches:
+        with autocast():
+            logits = model(inputs)
+        total += lm_loss(logits, targets).cpu()
+    model.train()
+    return (total / len(batches)).item()
+
+
+def global_mean(value: float, topo: Topology) -> float:
+    """The mean of a per-replica number over the data-parallel replicas: the logged loss is the global mean.
+
+    With one replica it is the value itself; chapter 07 all-reduces it over the dp_cp group.
+    """
+    if topo.size("dp_cp") > 1:
+        raise NotImplementedError("averaging over data-parallel replicas arrives with chapter 07")
+    return value
+
+
+# ================================================================================================================
+# 4. The run
+# ================================================================================================================
+
+VAL_SEED = 20240101  # validation batches do not depend on --seed: runs with different seeds compare on one set
+
+
+@dataclass
+class Run:
+    """Everything a training loop holds; built by `setup`, advanced by `train_loop`."""
+
+    cfg: TrainConfig
+    mcfg: ModelConfig
+    env: DistEnv
+    topo: Topology
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    sampler: BatchSampler
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    autocast: Callable
+    out: Path
+    info: dict  # what run.json records
+    start_step: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def log(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as `cfg` says; return a summary (losses by step, validation losses, throughput, final figures)."""
+    check_config(cfg)
+    env = DistEnv.detect()
+    dims = resolve_parallel_dims(cfg, env.world_size)  # before any process group: a bad layout fails fast
+    device = pick_device(cfg, env)
+    topo, created_group = init_distributed(dims, env, device)
+    try:
+        run = setup(cfg, env, topo, device)
+        restore(run)
+        return train_loop(run)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
+
+
+def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) -> Run:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    mcfg = model_config(cfg)
+    corpus = load_data(cfg)
+    model = build_parallel_model(mcfg, cfg, topo, device)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
+    sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
+    run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, model=model, optimizer=optimizer,
+              schedule=_schedule(cfg), sampler=sampler, val_batches=validation_batches(corpus, cfg, device),
+              autocast=autocast_for(cfg.dtype, device), out=Path(cfg.out), info={})
+    run.info = describe_run(run, corpus)
+    if run.is_main:
+        run.out.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def load_data(cfg: TrainConfig) -> Corpus:
+    try:
+        corpus = load_corpus(None if cfg.data == "stdlib" else cfg.data, cfg.val_fraction, cfg.max_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if corpus.train.numel() < cfg.seq_len + 1:
+        raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
+                          f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
+    return corpus
+
+
+def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -> list:
+    """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split."""
+    if corpus.val.numel() < cfg.seq_len + 1:
+        return []
+    sampler = BatchSampler(corpus.val, cfg.seq_len, cfg.batch_size // cfg.microbatches, VAL_SEED)
+    return [tuple(t.to(device) for t in sampler.batch(i)) for i in range(cfg.eval_batches)]
+
+
+def describe_run(run: Run, corpus: Corpus) -> dict[str, Any]:
+    """What run.json records: the resolved settings and the numbers every figure of the run is measured against."""
+    cfg, mcfg = run.cfg, run.mcfg
+    peak, peak_source = peak_flops_for(cfg, run.device)
+    params = sum(p.numel() for p in run.model.parameters())  # a tied weight is counted once
+    embedding = sum(p.numel() for m in run.model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+    return {
+        "config": config_to_values(cfg),
+        "model": dataclasses.asdict(mcfg),
+        "world_size": run.env.world_size,
+        "parallel": dataclasses.asdict(run.topo.dims),
+        "device": str(run.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "corpus": corpus.description,
+        "train_tokens": corpus.train.numel(),
+        "val_tokens": corpus.val.numel(),
+        "unigram_entropy_nats": unigram_entropy_nats(corpus.train),
+        "params": params,
+        "params_non_embedding": params - embedding,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+    }
+
+
+def peak_flops_for(cfg: TrainConfig, device: torch.device) -> tuple[float, str]:
+    """Peak FLOP/s of one device for MFU, and where the number comes from."""
+    if cfg.peak_flops:
+        return cfg.peak_flops, "set by --peak-flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for chip, key in (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("A100", "A100")):
+            if chip in name:
+                return flops.peak_flops(key), f"datasheet dense bf16 peak of {key} ({name})"
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    peak = flops.measure_peak_flops(dtype, size=1024, device=device)
+    return peak, f"measured {'CPU' if device.type == 'cpu' else device.type} matmul peak (1024^3, {cfg.dtype})"
+
+
+def restore(run: Run) -> None:
+    """With --resume, load the latest checkpoint in OUT (if any). Without it, clear OUT's old checkpoints."""
+    root = run.out / "checkpoints"
+    step = checkpoint.latest_step(root) if run.cfg.resume else None
+    if step is None:
+        if run.cfg.resume:
+            run.log(f"--resume: no checkpoint in {root}; starting at step 0")
+        elif run.is_main:
+            checkpoint.remove_checkpoints(root)
+        _start_metrics(run.out / "metrics.jsonl", keep_before=0, is_main=run.is_main)
+        return
+    try:
+        state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
+        _check_same_run(meta["config"], config_to_values(run.cfg))
+        run.schedule.load_state_dict(state["schedule"])
+        run.sampler.load_state_dict(state["sampler"])
+    except ValueError as e:
+        raise ConfigError(f"cannot resume from {root / checkpoint.step_dir_name(step)}: {e}") from None
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    run.start_step = step
+    run.info["resumed_from"] = step
+    _start_metrics(run.out / "metrics.jsonl", keep_before=step, is_main=run.is_main)
+    run.log(f"resumed from {root / checkpoint.step_dir_name(step)}")
+
+
+# Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
+SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "seq_len", "seed")
+
+
+def _check_same_run(saved: dict, now: dict) -> None:
+    diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in SAME_RUN_KEYS if saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"settings differ from the checkpoint's: {'; '.join(diffs)}")
+
+
+def _start_metrics(path: Path, keep_before: int, is_main: bool) -> None:
+    """Keep the records of steps < keep_before (those a resumed run does not redo), drop the rest."""
+    if not is_main:
+        return
+    kept = [r for r in read_metrics(path) if r["step"] < keep_before] if keep_before and path.exists() else []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run: Run, steps_done: int) -> None:
+    """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0."""
+    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+             "schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(), "rng": _rng_state()}
+    meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
+    barrier = dist.barrier if run.env.world_size > 1 else checkpoint._no_barrier
+    checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
+                               world_size=run.env.world_size, barrier=barrier)
+
+
+def _is_due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and (step + 1) % every == 0)
+
+
+def train_loop(run: Run) -> dict[str, Any]:
+    cfg, info = run.cfg, run.info
+    moe = _moe_module(run.mcfg)
+    metrics = MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
+    if run.is_main:
+        (run.out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    print_header(run)
+    last = cfg.steps - 1
+    summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
+    clock = Clock(total=cfg.steps - run.start_step)
+    for step in range(run.start_step, cfg.steps):
+        started = time.perf_counter()
+        lr = run.schedule.apply(run.optimizer, step)
+        batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
+        result = train_step(run.model, run.optimizer, batches, step=step, grad_clip=cfg.grad_clip,
+                            autocast=run.autocast, with_aux=moe is not None)
+        if moe is not None and run.mcfg.moe.bias_update_speed > 0:
+            moe.update_router_biases(run.model)
+        run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
+        seconds = time.perf_counter() - started
+        record = make_record(run, step, lr, result, seconds, moe)
+        if run.val_batches and _is_due(step, cfg.eval_every, last):
+            record["val_loss"] = global_mean(evaluate(run.model, run.val_batches, run.autocast), run.topo)
+            summary["val_losses"][step] = record["val_loss"]
+        if metrics:
+            metrics.write(record)
+        clock.tick()
+        if _is_due(step, cfg.log_every, last) or step == run.start_step:
+            run.log(progress_line(record, cfg.steps, clock))
+        if cfg.ckpt_every > 0 and _is_due(step, cfg.ckpt_every, last):
+            save(run, step + 1)
+        for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
+            summary[key].append(record[name])
+    return finish(run, summary, clock)
+
+
+def make_record(run: Run, step: int, lr: float, result: StepResult, seconds: float, moe: Any) -> dict[str, Any]:
+    tokens_per_s = run.info["tokens_per_step"] / seconds
+    peak_all = run.info["peak_flops"] * run.env.world_size
+    record = {"step": step, "loss": global_mean(result.loss, run.topo), "lr": lr, "grad_norm": result.grad_norm,
+              "tokens_per_s": tokens_per_s, "mfu": flops.mfu(tokens_per_s, run.info["flops_per_token"], peak_all),
+              "step_s": seconds}
+    if moe is not None:
+        record["aux_loss"] = result.aux_loss
+        record.update(_jsonable(moe.moe_stats(run.model)))
+    return record
+
+
+def _moe_module(mcfg: ModelConfig) -> Any:
+    if mcfg.moe.n_experts > 0:
+        from minidist.model import moe
+
+        return moe
+    return None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per optimizer step to metrics.jsonl, flushed at once (a crash loses nothing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Clock:
+    """Wall time since the loop began and the estimated time to finish."""
+
+    def __init__(self, total: int) -> None:
+        self.start = time.perf_counter()
+        self.total = total
+        self.done = 0
+
+    def tick(self) -> None:
+        self.done += 1
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def eta(self) -> float:
+        return self.elapsed / max(self.done, 1) * (self.total - self.done)
+
+
+def _fmt_time(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def print_header(run: Run) -> None:
+    cfg, info = run.cfg, run.info
+    entropy = info["unigram_entropy_nats"]
+    dims = " ".join(f"{k}{v}" for k, v in info["parallel"].items())
+    run.log(f"minidist.train: model {cfg.model} ({info['params'] / 1e6:.2f}M parameters, "
+            f"{info['params_non_embedding'] / 1e6:.2f}M non-embedding), world {info['world_size']} ({dims}), "
+            f"{info['device']}, {cfg.dtype}, {info['threads']} threads")
+    run.log(f"data: {info['corpus']}")
+    run.log(f"unigram entropy of the training split: {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): "
+            "the loss of a model that knows only byte frequencies")
+    run.log(f"batch {cfg.batch_size} x {cfg.seq_len} = {info['tokens_per_step']:,} tokens/step in "
+            f"{cfg.microbatches} micro-batch(es); {cfg.steps} steps; lr {cfg.lr:g} -> {cfg.min_lr:g} "
+            f"after {cfg.warmup_steps} warm-up steps")
+    run.log(f"mfu vs {info['peak_flops_source']}: {info['peak_flops'] / 1e9:,.1f} GFLOP/s; "
+            f"{info['flops_per_token'] / 1e6:.2f} MFLOP/token; writing {run.out}/")
+
+
+def progress_line(record: dict[str, Any], steps: int, clock: Clock) -> str:
+    width = len(str(steps))
+    line = (f"step {record['step'] + 1:>{width}}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"MFU {record['mfu']:.1%} | ETA {_fmt_time(clock.eta)}")
+    if "val_loss" in record:
+        line += f" | val_loss {record['val_loss']:.4f}"
+    return line
+
+
+def finish(run: Run, summary: dict[str, Any], clock: Clock) -> dict[str, Any]:
+    """The loss curve, the final figures in run.json, one closing line; returns the summary."""
+    info = run.info
+    measured = summary["tokens_per_s"][1:] or summary["tokens_per_s"]  # the first step pays one-time costs
+    summary.update(
+        out=str(run.out), elapsed_s=clock.elapsed, unigram_entropy_nats=info["unigram_entropy_nats"],
+        final_loss=summary["losses"][-1] if summary["losses"] else None,
+        final_val_loss=summary["val_losses"][max(summary["val_losses"])] if summary["val_losses"] else None,
+        mean_tokens_per_s=sum(measured) / len(measured) if measured else None,
+        mean_mfu=sum(summary["mfu"][1:] or summary["mfu"]) / max(len(summary["mfu"][1:] or summary["mfu"]), 1),
+        resumed_from=info.get("resumed_from"),
+    )
+    if not run.is_main:
+        return summary
+    final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu")}
+    (run.out / "run.json").write_text(json.dumps({**info, "final": final}, indent=2) + "\n")
+    if run.cfg.plot:
+        records = read_metrics(run.out / "metrics.jsonl")
+        plot_losses(records, run.out / "loss.png", baseline=info["unigram_entropy_nats"],
+                    title=f"{run.cfg.model}: {run.cfg.batch_size}x{run.cfg.seq_len} tokens/step")
+    tail = summary["losses"][-10:]
+    val = f", val {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else ""
+    run.log(f"done: {len(summary['steps'])} steps in {_fmt_time(clock.elapsed)}; train loss "
+            f"{sum(tail) / max(len(tail), 1):.4f} (mean of the last {len(tail)}){val}; unigram entropy "
+            f"{info['unigram_entropy_nats']:.4f}; {summary['mean_tokens_per_s'] or 0:,.0f} tok/s, "
+            f"MFU {summary['mean_mfu']:.1%}")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(parse_config(argv))
+    except ConfigError as e:
+        if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except health.TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

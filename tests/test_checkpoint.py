@@ -1,0 +1,119 @@
+"""Tests for checkpoints: the on-disk layout, atomic publication, per-rank files, and exact resume of a run."""
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from minidist import checkpoint, train
+from minidist.train import ConfigError, TrainConfig
+
+SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+TIMING = {"tokens_per_s", "mfu", "step_s"}  # the fields of a record that measure the clock, not the math
+
+
+def small_config(out, **changes) -> TrainConfig:
+    settings = dict(model="tiny", model_overrides=dict(SMALL_MODEL), data="stdlib", max_bytes=100_000,
+                    batch_size=8, seq_len=32, microbatches=2, steps=6, warmup_steps=2, eval_every=2, eval_batches=2,
+                    log_every=100, ckpt_every=3, out=str(out), peak_flops=1e9, plot=False)
+    settings.update(changes)
+    return TrainConfig(**settings)
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    out = tmp_path / "run"
+    full = train.train(small_config(out))
+    uninterrupted = records(out)
+    final_model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=False)["model"]
+
+    # Pretend the run crashed after step 5 with its last checkpoint at step 3: metrics hold steps 0..5.
+    shutil.rmtree(out / "checkpoints" / "step_000006")
+    (out / "checkpoints" / "latest").write_text("step_000003\n")
+    resumed = train.train(small_config(out, resume=True))
+
+    assert resumed["resumed_from"] == 3 and resumed["steps"] == [3, 4, 5]
+    assert resumed["losses"] == full["losses"][3:]  # bitwise: == on floats
+    assert resumed["val_losses"] == {k: v for k, v in full["val_losses"].items() if k >= 3}
+    assert without_timing(records(out)) == without_timing(uninterrupted)  # each step logged once, same values
+    model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=False)["model"]
+    assert all(torch.equal(model[k], final_model[k]) for k in final_model)
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    out = tmp_path / "run"
+    train.train(small_config(out, steps=3))
+    with pytest.raises(ConfigError, match="batch_size 8 -> 16"):
+        train.train(small_config(out, steps=3, batch_size=16, resume=True))
+    with pytest.raises(ConfigError, match="schedule"):
+        train.train(small_config(out, steps=5, resume=True))
+
+
+def test_resume_without_checkpoint_starts_fresh_and_fresh_run_clears_old_ones(tmp_path):
+    out = tmp_path / "run"
+    summary = train.train(small_config(out, steps=3, resume=True))
+    assert summary["steps"] == [0, 1, 2] and summary["resumed_from"] is None
+    assert checkpoint.latest_step(out / "checkpoints") == 3
+    train.train(small_config(out, steps=2, ckpt_every=0))  # a fresh run must not leave the old latest behind
+    assert checkpoint.latest_step(out / "checkpoints") is None
+    assert [r["step"] for r in records(out)] == [0, 1]
+
+
+def test_layout_and_atomic_publication(tmp_path):
+    root = tmp_path / "checkpoints"
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 4, "rng": (1, 2, 3)}
+    path = checkpoint.save_checkpoint(root, 4, state, {"note": "hi"})
+    assert path == root / "step_000004"
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rank0.pt"]
+    assert (root / "latest").read_text().strip() == "step_000004"
+    assert not list(root.glob(".tmp*"))
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["world_size"] == 1 and meta["files"] == ["rank0.pt"] and meta["note"] == "hi"
+    loaded, meta2 = checkpoint.load_checkpoint(root, 4)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["rng"] == (1, 2, 3) and meta2 == meta
+
+    # A crash mid-save leaves a .tmp directory or one without meta.json: neither counts as a checkpoint.
+    (root / ".tmp_step_000009").mkdir()
+    (root / "step_000008").mkdir()
+    torch.save({}, root / "step_000008" / "rank0.pt")
+    assert checkpoint.latest_step(root) == 4
+    (root / "latest").unlink()  # without the pointer, the newest complete directory
+    assert checkpoint.latest_step(root) == 4
+    with pytest.raises(ValueError, match="written by 1 rank"):
+        checkpoint.load_checkpoint(root, 4, rank=0, world_size=2)
+
+
+def test_each_rank_writes_its_own_file(tmp_path):
+    root = tmp_path / "checkpoints"
+    world = 3
+    barrier = threading.Barrier(world)
+    errors = []
+
+    def rank_main(rank):
+        try:
+            checkpoint.save_checkpoint(root, 10, {"shard": torch.full((2,), float(rank))}, {"layout": "test"},
+                                       rank=rank, world_size=world, barrier=barrier.wait)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert sorted(p.name for p in (root / "step_000010").iterdir()) == ["meta.json", "rank0.pt", "rank1.pt",
+                                                                         "rank2.pt"]
+    for rank in range(world):
+        state, meta = checkpoint.load_checkpoint(root, 10, rank=rank, world_size=world)
+        assert torch.equal(state["shard"], torch.full((2,), float(rank)))
+    assert meta["files"] == ["rank0.pt", "rank1.pt", "rank2.pt"]

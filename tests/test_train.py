@@ -1,0 +1,258 @@
+"""Tests for the trainer: configuration, one-line errors, gradient accumulation, the optimizer and its schedule,
+metrics and plots, the NaN guard, replica hashes, and that a short run learns more than byte frequencies."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from minidist import health, train
+from minidist.data import load_corpus, unigram_entropy_nats
+from minidist.model import build_model, get_preset, lm_loss
+from minidist.optim import WarmupCosine, build_optimizer, param_groups
+from minidist.train import ConfigError, TrainConfig, parse_config
+
+SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+
+
+def small_config(tmp_path, **changes) -> TrainConfig:
+    """A run that takes a fraction of a second: 2 layers, d_model 64, batch 8 x 32, 100 kB of the stdlib corpus."""
+    settings = dict(model="tiny", model_overrides=dict(SMALL_MODEL), data="stdlib", max_bytes=100_000,
+                    batch_size=8, seq_len=32, steps=4, warmup_steps=2, eval_every=2, eval_batches=2, log_every=100,
+                    ckpt_every=0, out=str(tmp_path / "run"), peak_flops=1e9, plot=False)
+    settings.update(changes)
+    return TrainConfig(**settings)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+def test_defaults_without_arguments():
+    assert parse_config([]) == TrainConfig()
+
+
+def test_toml_then_flags_then_set(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nlr = 1e-3\nbatch_size = 4\nseq_len = 16\n\n[model]\npreset = "tiny"\nn_layers = 2\n')
+    cfg = parse_config(["--config", str(path), "--steps", "3", "--set", "model.d_model=64", "--set", "lr=2e-3",
+                        "--dtype", "bf16", "--resume"])
+    assert cfg.steps == 3  # the flag beats the file
+    assert cfg.lr == 2e-3  # --set beats the file
+    assert (cfg.batch_size, cfg.seq_len) == (4, 16)  # from the file
+    assert cfg.model == "tiny" and cfg.model_overrides == {"n_layers": 2, "d_model": 64}
+    assert cfg.dtype == "bf16" and cfg.resume is True
+    assert cfg.warmup_steps == TrainConfig().warmup_steps  # neither file nor flag: the default
+    assert isinstance(cfg.lr, float)
+
+
+def test_config_round_trips_through_toml_values():
+    cfg = TrainConfig(model="small", model_overrides={"n_layers": 2, "moe": {"n_experts": 4}}, steps=9)
+    assert train.config_from_values(train.config_to_values(cfg)) == cfg
+
+
+def test_help_names_every_flag():
+    text = train.build_parser().format_help()
+    for flag, _ in train.FLAGS:
+        assert flag in text
+    for flag in ("--config", "--resume", "--set", "--microbatches", "--zero", "--dtype"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "nope"], "unknown model preset"),
+    (["--set", "model.n_heads=3"], "does not divide d_model"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--batch-size", "10", "--microbatches", "4"], "not divisible by microbatches"),
+    (["--set", "learning_rate=1"], "unknown setting"),
+    (["--set", "steps='ten'"], "steps must be int"),
+    (["--seq-len", "1024"], "max_seq_len"),
+    (["--min-lr", "1.0"], "min_lr"),
+    (["--dtype", "fp8"], "dtype"),
+])
+def test_config_errors_are_one_line(argv, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv)
+    message = str(info.value)
+    assert words in message
+    assert "\n" not in message
+
+
+def test_cli_config_error_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "minidist.train", "--batch-size", "10", "--microbatches", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "not divisible by microbatches" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_parallel_flags_checked_against_world_size():
+    cfg = TrainConfig(tp=2)
+    with pytest.raises(ConfigError, match=r"^--tp 2: tensor parallelism is not available yet \(chapter 08\)$"):
+        train.resolve_parallel_dims(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="does not fit 3 ranks"):
+        train.resolve_parallel_dims(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="data parallelism is not available yet"):
+        train.resolve_parallel_dims(TrainConfig(), world_size=4)  # dp defaults to the world size
+    with pytest.raises(ConfigError, match="ZeRO"):
+        train.resolve_parallel_dims(TrainConfig(zero=1), world_size=1)
+    assert train.resolve_parallel_dims(TrainConfig(), world_size=1) == train.ParallelDims()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the step
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+def test_gradient_accumulation_equals_full_batch(microbatches):
+    model = build_model(get_preset("tiny", **SMALL_MODEL), seed=3)
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, 256, (8, 32), generator=g)
+    targets = torch.randint(0, 256, (8, 32), generator=g)
+
+    reference = lm_loss(model(inputs), targets)  # plain torch on the whole batch
+    reference.backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    batches = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
+    loss, _ = train.forward_backward(model, batches)
+    assert loss == pytest.approx(reference.item(), rel=1e-6)
+    for got, want in zip(_grads(model), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_reports_the_norm_before_clipping():
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    assert train.clip_grad_norm(params, max_norm=1.0) == pytest.approx(5.0)
+    total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params))
+    assert total == pytest.approx(1.0, rel=1e-5)
+    assert train.clip_grad_norm(params, max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measure only
+
+
+def test_param_groups_decay_only_matrices():
+    for overrides in (SMALL_MODEL, {**SMALL_MODEL, "tie_embeddings": True, "bias": True, "norm": "layernorm"}):
+        model = build_model(get_preset("tiny", **overrides))
+        decay, no_decay = param_groups(model, weight_decay=0.1)
+        names = {id(p): n for n, p in model.named_parameters()}
+        decayed = {names[id(p)] for p in decay["params"]}
+        kept = {names[id(p)] for p in no_decay["params"]}
+        assert decayed | kept == set(names.values()) and not decayed & kept  # every parameter exactly once
+        assert "blocks.0.attn.wq.weight" in decayed and "blocks.1.mlp.w2.weight" in decayed
+        assert "tok_emb.weight" in kept and "norm.weight" in kept and "blocks.0.attn_norm.weight" in kept
+        assert all(n.endswith("bias") or "norm" in n or "emb" in n for n in kept)
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+
+
+def test_warmup_cosine_schedule():
+    s = WarmupCosine(max_lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert s(0) == pytest.approx(0.1) and s(4) == pytest.approx(0.5) and s(9) == pytest.approx(1.0)
+    assert s(10) == pytest.approx(1.0)
+    assert s(60) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # halfway through the decay
+    assert s(110) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
+    lrs = [s(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # decays monotonically
+    opt = build_optimizer(nn.Linear(2, 2), lr=1.0, weight_decay=0.0)
+    assert s.apply(opt, 4) == pytest.approx(0.5) and all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# a run
+
+
+def test_run_writes_metrics_run_json_and_plot(tmp_path):
+    cfg = small_config(tmp_path, steps=5, eval_every=2, plot=True)
+    summary = train.train(cfg)
+    out = tmp_path / "run"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["grad_norm"] > 0
+    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    assert [r["lr"] for r in records] == pytest.approx([schedule(s) for s in range(5)])
+    assert [r["step"] for r in records if "val_loss" in r] == [1, 3, 4]  # every 2 steps and at the end
+    assert [r["loss"] for r in records] == summary["losses"]
+    # MFU is throughput x FLOPs per token / peak, with the peak we set
+    info = json.loads((out / "run.json").read_text())
+    r = records[2]
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * info["flops_per_token"] / 1e9)
+    corpus = load_corpus(None, cfg.val_fraction, cfg.max_bytes)
+    assert info["unigram_entropy_nats"] == pytest.approx(unigram_entropy_nats(corpus.train))
+    assert info["params"] == sum(p.numel() for p in build_model(get_preset("tiny", **SMALL_MODEL)).parameters())
+    assert info["config"]["model"] == {"preset": "tiny", **SMALL_MODEL}
+    assert info["final"]["final_loss"] == records[-1]["loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_directory_as_data(tmp_path):
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
+    summary = train.train(small_config(tmp_path, data=str(corpus), max_bytes=None, steps=2))
+    assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
+
+
+def test_nan_guard_stops_at_the_step(tmp_path):
+    # lr 1e30: step 0 is finite, its update blows the weights up, step 1's loss is not a number.
+    cfg = small_config(tmp_path, lr=1e30, min_lr=0.0, warmup_steps=0, grad_clip=0.0)
+    with pytest.raises(health.TrainingDiverged, match=r"^step 1: loss=") as info:
+        train.train(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_nan_guard_runs_before_the_update():
+    model = build_model(get_preset("tiny", **SMALL_MODEL))
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    with torch.no_grad():
+        model.blocks[0].mlp.w1.weight[0, 0] = float("nan")
+    before = [p.clone() for p in model.parameters()]
+    batch = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
+    with pytest.raises(health.TrainingDiverged, match="step 7"):
+        train.train_step(model, optimizer, batch, step=7, grad_clip=1.0)
+    assert not optimizer.state  # no update happened
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())
+    with pytest.raises(health.TrainingDiverged, match="grad_norm=inf"):
+        health.check_finite(3, 1.0, float("inf"))
+
+
+def test_replica_hash_is_exact():
+    a = [torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), torch.arange(3.0)]
+    b = [t.clone() for t in a]
+    assert health.replica_hash(a) == health.replica_hash(b)
+    b[0][2, 3] = torch.nextafter(b[0][2, 3], torch.tensor(math.inf))  # one ulp
+    assert health.replica_hash(a) != health.replica_hash(b)
+    assert health.replica_hash([a[1]]) != health.replica_hash([a[1].reshape(1, 3)])  # shape counts
+    assert health.replica_hash([a[1]]) != health.replica_hash([a[1].double()])  # dtype counts
+    assert health.replica_hash([a[1].bfloat16()]) == health.replica_hash([a[1].bfloat16().clone()])
+
+
+def test_bf16_autocast_runs_with_fp32_losses(tmp_path):
+    summary = train.train(small_config(tmp_path, dtype="bf16", steps=2))
+    assert all(math.isfinite(x) for x in summary["losses"])
+    with pytest.raises(TypeError, match="float32"):
+        health.check_fp32("loss", torch.zeros((), dtype=torch.bfloat16))
+
+
+def test_short_run_beats_unigram_entropy(tmp_path):
+    # 80 steps of 16 x 64 bytes: 82k tokens, a tenth of the 0.9 MB training split (no memorizing).
+    cfg = small_config(tmp_path, max_bytes=1_000_000, batch_size=16, seq_len=64, steps=80, warmup_steps=10,
+                       eval_every=0, eval_batches=4)
+    summary = train.train(cfg)
+    entropy = summary["unigram_entropy_nats"]
+    assert summary["losses"][0] == pytest.approx(math.log(256), abs=0.1)  # small init: ~uniform predictions
+    assert sum(summary["losses"][-10:]) / 10 < entropy - 0.3
+    assert summary["final_val_loss"] < entropy - 0.1
