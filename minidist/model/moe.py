@@ -176,6 +176,11 @@ def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16
 
 
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on rows x [n, d_model]: (silu(x w1) ⊙ x w3) w2."""
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
 class Experts(nn.Module):
     """N SwiGLU experts stored as batched weights: w1, w3 [N, d_model, d_expert] and w2 [N, d_expert, d_model].
 
@@ -193,9 +198,10 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))
         self.w2 = nn.Parameter(torch.zeros(n_experts, d_expert, d_model))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows x [n, d_model]."""
-        return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+    def per_expert(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(w1, w3, w2) of each expert. unbind, not w[e] in a loop: the backward of N selects would allocate N
+        zero gradients of the full [N, ...] shape; unbind's backward stacks the N pieces once."""
+        return list(zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model]."""
@@ -204,12 +210,8 @@ class Experts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, self.w1, offs=offsets)) * torch._grouped_mm(x, self.w3, offs=offsets)
             return torch._grouped_mm(h, self.w2, offs=offsets)
-        outputs = []
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                outputs.append(self.expert(e, x[start:start + n]))
-            start += n
+        # split, not x[a:b] in a loop, for the same reason as unbind: its backward is one concatenation.
+        outputs = [swiglu(xe, *w) for xe, w in zip(x.split(counts.tolist()), self.per_expert()) if xe.shape[0]]
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.w2.shape[-1])
 
 
@@ -300,12 +302,12 @@ def moe_forward_naive(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         position = (one_hot.cumsum(0) - 1) * one_hot  # how many earlier slots chose the same expert
         keep = (position.sum(-1) < capacity).view(k, num_tokens).t()
     y = torch.zeros_like(x)
-    for e in range(layer.n_experts):
+    for e, weights in enumerate(layer.experts.per_expert()):
         mask = (routing.indices == e) & keep  # [T, k]
         rows = mask.any(dim=-1)
         if rows.any():
             gate = (routing.weights * mask).sum(dim=-1)[rows]
-            y[rows] += gate.to(x.dtype).unsqueeze(-1) * layer.experts.expert(e, x[rows])
+            y[rows] += gate.to(x.dtype).unsqueeze(-1) * swiglu(x[rows], *weights)
     if layer.shared is not None:
         y = y + layer.shared(x)
     return y.reshape(shape)
