@@ -320,8 +320,9 @@ def _post(comm: Comm, sends: Iterable[tuple[torch.Tensor, int]],
     """Post non-empty messages without recording them; return their handles and the bytes sent."""
     sends = [(t.contiguous(), peer) for t, peer in sends if t.numel() > 0]
     recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
-    ops = [dist.P2POp(dist.isend, t, comm.global_rank(peer), comm.group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, comm.global_rank(peer), comm.group) for t, peer in recvs]
+    # Receives first: a receive posted before the matching data arrives lets it land in place.
+    ops = [dist.P2POp(dist.irecv, t, comm.global_rank(peer), comm.group) for t, peer in recvs]
+    ops += [dist.P2POp(dist.isend, t, comm.global_rank(peer), comm.group) for t, peer in sends]
     if not ops:
         return [], 0
     return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)

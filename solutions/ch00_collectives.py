@@ -23,10 +23,10 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = 
         outgoing = chunks[(me - step - 1) % p]
         arriving = (me - step - 2) % p
         buffer = torch.empty_like(chunks[arriving])
+        recv_req = dist.irecv(buffer, src=left, group=group)  # post both before waiting on either
         send_req = dist.isend(outgoing.contiguous(), dst=right, group=group)
-        recv_req = dist.irecv(buffer, src=left, group=group)
-        send_req.wait()
         recv_req.wait()
+        send_req.wait()
         chunks[arriving] += buffer
     # After p-1 steps, chunk `me` has collected all p contributions, the last one being mine.
     return chunks[me]
@@ -44,10 +44,10 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     chunks = torch.tensor_split(flat, p)
 
     def exchange(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
-        send_req = dist.isend(outgoing, dst=right, group=group)
         recv_req = dist.irecv(incoming, src=left, group=group)
-        send_req.wait()
+        send_req = dist.isend(outgoing, dst=right, group=group)
         recv_req.wait()
+        send_req.wait()
 
     # Phase 1, reduce-scatter: afterwards I hold the full sum of chunk `me`.
     for step in range(p - 1):
