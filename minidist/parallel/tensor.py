@@ -23,6 +23,7 @@ f applied to the parameter itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,8 +40,8 @@ from minidist.parallel.vocab import VocabParallelEmbedding, vocab_parallel_lm_lo
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TPLayout", "apply_tensor_parallel", "clip_tp_grad_norm_",
     "copy_to_tp", "expected_tp_traffic", "full_tensor", "gather_full", "gather_sequence", "load_full",
-    "reduce_from_tp", "reduce_scatter_sequence", "tensor_parallel_plan", "tp_grad_norm", "validate_tensor_parallel",
-    "vocab_parallel_lm_loss",
+    "reduce_from_tp", "reduce_scatter_sequence", "sharded_grad_norm", "tensor_parallel_plan", "tp_grad_norm",
+    "validate_tensor_parallel", "vocab_parallel_lm_loss",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -367,19 +368,29 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def tp_grad_norm(model: nn.Module, comm: Comm) -> torch.Tensor:
-    """The global L2 norm of the gradients, identical on all tp ranks: Σ over shards, each replica counted once.
+def sharded_grad_norm(pieces: Iterable[tuple[torch.Tensor, int]], comms: Sequence[Comm]) -> torch.Tensor:
+    """sqrt(Σ ||piece||² / replicas), the sum taken over this rank's pieces and then over every group in `comms`.
 
-    norm² = Σ_ranks Σ_params ||grad||² / replicas (a replicated parameter's copies are summed then divided), with
-    one all-reduce of a scalar. Parameters without a gradient are skipped.
+    A piece is (gradient tensor, number of ranks of those groups holding an identical copy). Dividing by the
+    replicas counts a replicated gradient once however many ranks hold it; a sharded one has replicas 1. With
+    tensor parallelism alone: pieces = each parameter's grad with `tp_layout.replicas`, comms = [tp]. Composed with
+    a ZeRO optimizer over dp_cp: pieces = this rank's slices of the gradient shards, comms = [dp_cp, tp].
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
-    for param in params:
-        replicas = getattr(param, "tp_layout", TPLayout(None, 0, 1, comm.size)).replicas
-        local += param.grad.detach().double().pow(2).sum() / replicas
-    comm.all_reduce(local)
+    pieces = list(pieces)
+    device = pieces[0][0].device if pieces else None
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for grad, replicas in pieces:
+        local += grad.detach().double().pow(2).sum() / replicas
+    for comm in comms:
+        comm.all_reduce(local)
     return local.sqrt().float()
+
+
+def tp_grad_norm(model: nn.Module, comm: Comm) -> torch.Tensor:
+    """The global L2 norm of the gradients of a tensor-parallel model, identical on all tp ranks: every shard
+    counted once, every replicated parameter counted once (not tp times). One all-reduce of a scalar."""
+    return sharded_grad_norm(((p.grad, p.tp_layout.replicas) for p in model.parameters() if p.grad is not None),
+                             [comm])
 
 
 def clip_tp_grad_norm_(model: nn.Module, max_norm: float, comm: Comm) -> float:
