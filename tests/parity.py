@@ -47,13 +47,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 @functools.lru_cache(maxsize=4)
-def reference_run(cfg: ModelConfig = CFG, steps: int = STEPS) -> dict:
-    """Train on one device; return {"losses": [...], "grad_norms": [...], "grads": first step's grads by name}."""
+def reference_run(cfg: ModelConfig = CFG, steps: int = STEPS, global_batch_size: int = GLOBAL_BATCH) -> dict:
+    """Train on one device; return {"losses": [...], "grad_norms": [...], "grads": first step's grads by name}.
+
+    `global_batch_size` other than GLOBAL_BATCH is for layouts it does not divide (e.g. 3 micro-batches)."""
     model = build_model(cfg, seed=SEED)
     optimizer = make_optimizer(model.parameters())
     losses, grad_norms, first_grads = [], [], {}
     for step in range(steps):
-        inputs, targets = global_batch(step)
+        inputs, targets = global_batch(step, global_batch_size)
         loss = lm_loss(model(inputs), targets)
         loss.backward()
         if step == 0:
