@@ -242,8 +242,8 @@ class Comm:
                    async_op: bool = False):
         """Rank r sends rows in_splits[j] of `tensor` to rank j, and receives out_splits[j] rows from rank j.
 
-        Without splits the rows are divided evenly. With uneven `in_splits`, pass `out_splits` (or `out`) too: a
-        rank cannot know what it will receive (exchange the counts first with an all_to_all of a small tensor).
+        Without splits the rows are divided evenly. With uneven `in_splits`, pass `out_splits` too: a rank cannot
+        know what it will receive (exchange the counts first with an all_to_all of a small tensor).
         Ledger: the bytes of every split but the one kept by this rank.
         """
         p = self.size
@@ -254,19 +254,24 @@ class Comm:
             in_splits = [rows // p] * p
         if len(in_splits) != p or sum(in_splits) != rows:
             raise ValueError(f"in_splits {list(in_splits)} must have {p} entries summing to dim 0 = {rows}")
+        if out_splits is None:
+            if len(set(in_splits)) > 1:
+                raise ValueError("uneven in_splits need out_splits: exchange the counts first (an all_to_all of "
+                                 "a tensor of p counts)")
+            out_splits = list(in_splits)  # even: every rank receives what it sends
+        if len(out_splits) != p:
+            raise ValueError(f"out_splits {list(out_splits)} must have {p} entries")
         if out is None:
-            if out_splits is None:
-                if len(set(in_splits)) > 1:
-                    raise ValueError("uneven in_splits need out_splits (or out) to size the output")
-                out_splits = list(in_splits)
             out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+        elif out.shape[0] != sum(out_splits):
+            raise ValueError(f"out has {out.shape[0]} rows but out_splits {list(out_splits)} sum to {sum(out_splits)}")
         row_bytes = _nbytes(tensor) // rows if rows else 0
         self.ledger.record("all_to_all", self.name, (rows - in_splits[self.rank]) * row_bytes)
         if p == 1:
             out.copy_(tensor)
             return self._finish(None, out, async_op)
-        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(out_splits) if out_splits
-                                      else None, input_split_sizes=list(in_splits), group=self.group, async_op=True)
+        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(out_splits),
+                                      input_split_sizes=list(in_splits), group=self.group, async_op=True)
         return self._finish(work, out, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):

@@ -188,6 +188,12 @@ def comm_cases() -> list[tuple]:
           torch.cat([torch.full(((j + rank) % 3, 3), 100.0 * j + rank) for j in everyone]))
     check("bytes", "all_to_all uneven = bytes leaving this rank", bytes_of("all_to_all"),
           (sum(send_rows) - send_rows[rank]) * 3 * 4)
+    try:
+        comm.all_to_all(uneven, in_splits=send_rows)  # a rank cannot guess what it will receive
+        refused = False
+    except ValueError as error:
+        refused = "need out_splits" in str(error)
+    check("values", "uneven all_to_all without out_splits is refused", refused, True)
 
     # Point to point around the ring, and exchange().
     msg = torch.full((7,), float(rank))
