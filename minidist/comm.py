@@ -6,7 +6,8 @@ Three parts:
    forwarded to torch.distributed and recorded as (op, group name) -> calls, bytes sent by this rank.
 2. Hand-built collectives from point-to-point messages: `ring_reduce_scatter`, `ring_all_gather`, `ring_all_reduce`
    (Patarasuk & Yuan 2009), `pairwise_all_to_all`, and `naive_all_reduce` (gather to one rank, reduce, send back)
-   for contrast. They record the bytes their send() calls actually carried.
+   for contrast. They take a Comm, whose ledger records the bytes their messages actually carried, or a bare
+   process group (None: the world).
 3. The α-β cost model (Hockney; Thakur, Rabenseifner & Gropp 2005): time = α·steps + β·bytes sent per rank, and a
    least-squares fit of α and β from measured timings.
 
@@ -338,6 +339,14 @@ def _wait_all(handles: list[Handle]) -> None:
         h.wait()
 
 
+CommLike = Comm | dist.ProcessGroup | None
+
+
+def _as_comm(comm: CommLike) -> Comm:
+    """The hand-built collectives take a Comm (whose ledger records them) or a bare group (None: the world)."""
+    return comm if isinstance(comm, Comm) else Comm(comm)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Hand-built collectives (Patarasuk & Yuan 2009: the ring is bandwidth optimal)
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,11 +387,12 @@ def _all_gather_phase(chunks: Sequence[torch.Tensor], comm: Comm) -> int:
     return sent
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+def ring_reduce_scatter(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
     """Sum `tensor` over the group; return chunk `comm.rank` of `torch.tensor_split(sum, p, dim=0)` (any dim-0 size).
 
     `tensor` is left unchanged. Ledger ("ring_reduce_scatter"): the bytes actually sent, M - |c_r|.
     """
+    comm = _as_comm(comm)
     work = tensor.contiguous().clone()
     chunks = torch.tensor_split(work, comm.size, dim=0)
     sent = _reduce_scatter_phase(chunks, comm) if comm.size > 1 else 0
@@ -390,12 +400,13 @@ def ring_reduce_scatter(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     return chunks[comm.rank].clone()
 
 
-def ring_all_gather(tensor: torch.Tensor, comm: Comm, sizes: Sequence[int] | None = None) -> torch.Tensor:
+def ring_all_gather(tensor: torch.Tensor, comm: CommLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0.
 
     `sizes[j]` is rank j's dim-0 size; by default every rank's is the same. Uneven sizes make this the inverse of
     `ring_reduce_scatter`. Ledger ("ring_all_gather"): the bytes actually sent, M - |c_r+1| (M = the output).
     """
+    comm = _as_comm(comm)
     p, r = comm.size, comm.rank
     sizes = [tensor.shape[0]] * p if sizes is None else list(sizes)
     if len(sizes) != p or sizes[r] != tensor.shape[0]:
@@ -408,11 +419,12 @@ def ring_all_gather(tensor: torch.Tensor, comm: Comm, sizes: Sequence[int] | Non
     return out
 
 
-def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
     """Sum `tensor` (contiguous, any size) over the group in place and return it: reduce-scatter + all-gather.
 
     Ledger ("ring_all_reduce"): the bytes actually sent, 2M - |c_r| - |c_r+1| (= 2(p-1)/p·M when p divides numel).
     """
+    comm = _as_comm(comm)
     if not tensor.is_contiguous():
         raise ValueError("ring_all_reduce works in place and needs a contiguous tensor; pass tensor.contiguous()")
     chunks = torch.tensor_split(tensor.view(-1), comm.size)
@@ -423,12 +435,13 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     return tensor
 
 
-def naive_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+def naive_all_reduce(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
     """Sum in place by gathering everything on group rank 0, adding, and sending the sum back to each rank.
 
     Rank 0 sends (p-1)·M bytes and every other rank M: the root's link carries p/2 times what a ring rank sends.
     Ledger ("naive_all_reduce"): the bytes actually sent.
     """
+    comm = _as_comm(comm)
     p, r = comm.size, comm.rank
     sent = 0
     if p > 1:
@@ -447,12 +460,13 @@ def naive_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     return tensor
 
 
-def pairwise_all_to_all(tensor: torch.Tensor, comm: Comm, in_splits: Sequence[int],
+def pairwise_all_to_all(tensor: torch.Tensor, comm: CommLike, in_splits: Sequence[int],
                         out_splits: Sequence[int]) -> torch.Tensor:
     """All-to-all from point-to-point messages: at step s, send to rank r+s and receive from rank r-s.
 
     Same meaning as `Comm.all_to_all`. Ledger ("pairwise_all_to_all"): the bytes actually sent.
     """
+    comm = _as_comm(comm)
     p, r = comm.size, comm.rank
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
     pieces_in = torch.split(tensor.contiguous(), list(in_splits), dim=0)

@@ -75,6 +75,7 @@ def comm_cases() -> list[tuple]:
                 out = ring_all_reduce(y, comm)
                 check("ring", f"all_reduce {tag}", y, reference)
                 check("ring", f"all_reduce returns its input {tag}", out.data_ptr(), y.data_ptr())
+                check("ring", f"all_reduce given a bare group {tag}", ring_all_reduce(x.clone(), group), reference)
                 check("ring_bytes", f"all_reduce {tag}", ledger.bytes("ring_all_reduce"),
                       ring_bytes_sent("all_reduce", shape, x.element_size(), p, me))
                 rows.append(("ring_total", (layout, "all_reduce", shape), tuple(members), ledger.bytes(), 2 * m))
@@ -328,5 +329,5 @@ def test_single_rank_comm_is_the_identity() -> None:
     assert comm.all_gather(x).equal(x) and comm.reduce_scatter(x).equal(x) and comm.all_to_all(x).equal(x)
     assert comm.broadcast(x.clone()).equal(x) and comm.all_reduce(x.clone(), async_op=True).wait().equal(x)
     assert ring_all_reduce(x.clone(), comm).equal(x) and ring_reduce_scatter(x, comm).equal(x)
-    assert naive_all_reduce(x.clone(), comm).equal(x)
+    assert naive_all_reduce(x.clone(), comm).equal(x) and ring_all_reduce(x.clone()).equal(x)  # no group: one rank
     assert comm.ledger.bytes() == 0 and comm.ledger.calls() == 9
