@@ -1,0 +1,342 @@
+"""Pipeline parallelism (chapter 09): cut a built model into stages and run any schedule on them.
+
+Three pieces:
+
+1. `partition_model` keeps the part of a full `Transformer` that one pipeline rank runs: its chunks of consecutive
+   blocks (p·v chunks, even by layers; rank r holds chunks r, r+p, r+2p, ...), the embedding with chunk 0, the
+   final norm, head and loss with the last chunk. The modules are the model's own, under the model's own names
+   ("blocks.5.attn.wq.weight"), so optimizers, checkpoints and parity tests compare parameters by name.
+2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.schedules` (any schedule: the
+   executor does not know which one it runs). Activations and gradients travel point to point through
+   `minidist.comm`, so the ledger sees every byte. Each micro-batch's loss is scaled by 1/m before its backward,
+   so the accumulated gradient is the gradient of the mean loss over the whole batch, for any m. A micro-batch's
+   saved activations are released by its backward (nothing else holds them), which is what makes 1F1B's memory
+   smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
+3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
+
+Every stage recomputes RoPE's cos/sin from the model's rotary buffers for the positions of the micro-batch: only
+hidden states cross the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist.comm import Comm
+from minidist.model.config import ModelConfig
+from minidist.model.transformer import Transformer, lm_loss
+from minidist.parallel.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    Event,
+    F,
+    build_schedule,
+    check_schedule_args,
+    chunk_rank,
+    rank_chunks,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and partitioning
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_pipeline(cfg: ModelConfig, pp: int, microbatches: int, virtual_stages: int = 1,
+                      schedule: str = "1f1b", batch_size: int | None = None) -> None:
+    """Raise a one-line ValueError unless this model can be pipelined this way. Needs no process group.
+
+    `batch_size` (optional) is the number of sequences one pipeline replica processes per step (global batch / dp);
+    it must split into `microbatches` equal micro-batches.
+    """
+    check_schedule_args(schedule, pp, microbatches, virtual_stages)
+    check_partition(cfg, pp, virtual_stages)
+    if batch_size is not None and batch_size % microbatches:
+        fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"the batch of {batch_size} sequences per pipeline does not split into "
+                         f"microbatches={microbatches}; pick microbatches from {fits}")
+
+
+def check_partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> None:
+    """One-line ValueError unless the model's layers split into pp·virtual_stages chunks this pipeline supports."""
+    n_chunks = pp * virtual_stages
+    if cfg.n_layers < n_chunks:
+        what = f"pp={pp}" if virtual_stages == 1 else f"pp*virtual_stages={pp}*{virtual_stages}={n_chunks}"
+        raise ValueError(f"n_layers={cfg.n_layers} is fewer than the {n_chunks} pipeline chunks ({what}); "
+                         f"every chunk needs at least one layer")
+    if virtual_stages > 1 and cfg.n_layers % n_chunks:
+        fits = [v for v in range(1, cfg.n_layers // pp + 1) if cfg.n_layers % (pp * v) == 0]
+        raise ValueError(f"virtual_stages={virtual_stages} does not divide the layers per stage "
+                         f"(n_layers={cfg.n_layers} / pp={pp}); virtual_stages in {fits} would fit")
+    if pp > 1 and cfg.tie_embeddings:
+        raise ValueError("tie_embeddings=True puts one weight on the first and last pipeline stages, which this "
+                         "pipeline does not synchronize; set tie_embeddings=False or pp=1")
+
+
+def chunk_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
+    """The layers of each of the p·v chunks: consecutive, as even as possible (earlier chunks get the extra ones,
+    since the last chunk also runs the head and the loss)."""
+    n = pp * virtual_stages
+    base, extra = divmod(n_layers, n)
+    bounds = [0]
+    for c in range(n):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return [range(bounds[c], bounds[c + 1]) for c in range(n)]
+
+
+class StageModule(nn.Module):
+    """The chunks of the model one pipeline rank runs, holding the model's own modules under their own names."""
+
+    def __init__(self, model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.pp, self.pp_rank, self.virtual_stages = pp, pp_rank, virtual_stages
+        self.n_chunks = pp * virtual_stages
+        self.chunks = rank_chunks(pp_rank, pp, virtual_stages)
+        layers = chunk_layers(model.cfg.n_layers, pp, virtual_stages)
+        self.layers = {c: list(layers[c]) for c in self.chunks}
+        self.has_first, self.has_last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+        self.tok_emb = model.tok_emb if self.has_first else None
+        self.pos_emb = model.pos_emb if self.has_first else None
+        self.rotary = model.rotary  # buffers only: every stage turns positions into cos/sin itself
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for c in self.chunks for i in self.layers[c]})
+        self.norm = model.norm if self.has_last else None
+        self.lm_head = model.lm_head if self.has_last else None
+        self.loss_fn = loss_fn
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk 0 takes tokens [B, T]; others hidden states [B, T, d]. The last chunk returns the mean loss."""
+        if chunk not in self.layers:
+            raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
+        seq = x.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=x.device)
+        if chunk == 0:
+            x = self.tok_emb(x)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for i in self.layers[chunk]:
+            x = self.blocks[str(i)](x, rope)
+        if chunk == self.n_chunks - 1:
+            return self.loss_fn(self.lm_head(self.norm(x)), targets)
+        return x
+
+    def chunk_aux_loss(self, chunk: int) -> torch.Tensor | None:
+        """The MoE balancing losses the last forward of `chunk` recorded (None for dense layers)."""
+        losses = [m.aux_loss for i in self.layers[chunk] for m in self.blocks[str(i)].modules()
+                  if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+        return torch.stack(losses).sum() if losses else None
+
+
+def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> StageModule:
+    """This rank's `StageModule`. Build (and tensor-parallelize) the full model first; the rest is dropped."""
+    check_partition(model.cfg, pp, virtual_stages)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
+    return StageModule(model, pp_rank, pp, virtual_stages, loss_fn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean LM loss over the step's micro-batches, the same on every pipeline rank
+    aux_loss: float = 0.0  # MoE balancing losses, summed over stages, mean over micro-batches
+    events: list[Event] = field(default_factory=list)  # this rank's actions, time.perf_counter() start/end
+    peak_activation_bytes: int = 0  # most bytes saved for backward alive at once (measure_memory=True)
+    peak_in_flight: int = 0  # most (micro-batch, chunk) forwards awaiting their backward at once
+
+
+class _SavedBytes:
+    """Counts the bytes of the tensors autograd saves for backward, per forward, excluding parameters."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.param_storages:
+            self.seen[key] = storage.nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def count(self):
+        self.seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield self
+
+
+class PipelineRunner:
+    """Runs one pipeline rank's action list for a step of `microbatches` micro-batches.
+
+    `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
+    are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
+    under bf16 autocast). Gradients accumulate into the stage's `.grad`s; the caller reduces them over data-parallel
+    replicas, clips and steps the optimizer.
+    """
+
+    def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
+                 virtual_stages: int | None = None, *, activation_dtype: torch.dtype = torch.float32,
+                 activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+                 measure_memory: bool = False, with_aux: bool = False) -> None:
+        v = stage.virtual_stages if virtual_stages is None else virtual_stages
+        if v != stage.virtual_stages or comm.size != stage.pp or comm.rank != stage.pp_rank:
+            raise ValueError(f"the stage ({stage.pp_rank} of pp={stage.pp}, virtual_stages={stage.virtual_stages}) "
+                             f"does not match the runner (rank {comm.rank} of {comm.size}, virtual_stages={v})")
+        self.stage, self.comm = stage, comm
+        self.pp, self.microbatches, self.schedule = stage.pp, microbatches, schedule
+        self.actions: list[Action] = build_schedule(schedule, stage.pp, microbatches, v)[stage.pp_rank]
+        self.activation_dtype = activation_dtype
+        d_model = stage.cfg.d_model
+        self.activation_shape = activation_shape or (lambda tokens: (*tokens.shape, d_model))
+        self.saved = _SavedBytes(stage.parameters()) if measure_memory else None
+        self.with_aux = with_aux
+
+    # -- point to point, tagged by message so that any order of posting matches up ---------------------------------
+
+    def _tag(self, direction: str, mb: int, consumer_chunk: int) -> int:
+        return 2 * (mb * self.stage.n_chunks + consumer_chunk) + (0 if direction == F else 1)
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int, mailbox: dict, pending: list) -> None:
+        if peer == self.comm.rank:  # the next chunk is on this rank (pp=1 with virtual stages)
+            mailbox[tag] = tensor.detach().clone()
+            return
+        # Comm.isend has no tag; record as it would and post the tagged send on its group.
+        self.comm.ledger.record("send", self.comm.name, tensor.numel() * tensor.element_size())
+        pending.append(dist.isend(tensor.contiguous(), dst=self.comm.global_rank(peer), group=self.comm.group,
+                                  tag=tag))
+
+    def _recv(self, shape: tuple[int, ...], peer: int, tag: int, mailbox: dict) -> torch.Tensor:
+        if peer == self.comm.rank:
+            return mailbox.pop(tag)
+        self.comm.ledger.record("recv", self.comm.name, 0)
+        buffer = torch.empty(shape, dtype=self.activation_dtype)
+        dist.irecv(buffer, src=self.comm.global_rank(peer), group=self.comm.group, tag=tag).wait()
+        return buffer
+
+    # -- one step --------------------------------------------------------------------------------------------------
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> StepStats:
+        """Forward and backward every micro-batch (inputs, targets) by the schedule; return the step's stats.
+
+        Every pipeline rank passes the same micro-batches: chunk 0 reads the inputs, the last chunk the targets.
+        Every stage gets positions 0..T−1 (T = the inputs' length), whatever shape its hidden states have.
+        `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its last runs inside it, so an
+        overlapped data-parallel reduction starts during the last backward only.
+        """
+        if len(batches) != self.microbatches:
+            raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
+        stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
+        scale = 1.0 / self.microbatches
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss on the last chunk)
+        aux: dict[tuple[int, int], torch.Tensor] = {}
+        out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        in_grads: dict[tuple[int, int], torch.Tensor] = {}
+        held: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per forward not yet backwarded
+        mailbox: dict[int, torch.Tensor] = {}
+        pending: list = []
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        aux_sum = torch.zeros((), dtype=torch.float32)
+        stats = StepStats(loss=0.0)
+        live = 0
+        positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
+        last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        for index, a in enumerate(self.actions):
+            start = time.perf_counter()
+            key = (a.mb, a.chunk)
+            tokens, targets = batches[a.mb]
+            if a.kind == RECV_F:
+                x = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk - 1, p), self._tag(F, *key), mailbox)
+                inputs[key] = x.requires_grad_()
+            elif a.kind == F:
+                x = tokens if a.chunk == 0 else inputs[key]
+                with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
+                    out = stage.forward_chunk(a.chunk, x, targets if a.chunk == last else None, positions[a.mb])
+                    chunk_aux = stage.chunk_aux_loss(a.chunk) if self.with_aux else None
+                outputs[key] = out
+                if chunk_aux is not None:
+                    aux[key] = chunk_aux.float()
+                    aux_sum += chunk_aux.detach().float()
+                if a.chunk == last:
+                    loss_sum += out.detach().float()
+                held[key] = sum(self.saved.seen.values()) if self.saved else 0
+                live += held[key]
+                stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
+            elif a.kind == SEND_F:
+                self._send(outputs[key].detach(), chunk_rank(a.chunk + 1, p), self._tag(F, a.mb, a.chunk + 1),
+                           mailbox, pending)
+            elif a.kind == RECV_B:
+                out_grads[key] = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk + 1, p),
+                                            self._tag("B", *key), mailbox)
+            elif a.kind == "B":
+                out = outputs.pop(key)
+                tensors = [out * scale] if a.chunk == last else [out]
+                grads = [None] if a.chunk == last else [out_grads.pop(key)]
+                if key in aux:
+                    tensors.append(aux.pop(key) * scale)
+                    grads.append(None)
+                with no_sync() if no_sync is not None and index != last_backward else contextlib.nullcontext():
+                    torch.autograd.backward(tensors, grads)
+                if a.chunk > 0:
+                    in_grads[key] = inputs.pop(key).grad
+                live -= held.pop(key)
+            elif a.kind == SEND_B:
+                self._send(in_grads.pop(key), chunk_rank(a.chunk - 1, p), self._tag("B", a.mb, a.chunk - 1),
+                           mailbox, pending)
+            stats.events.append(Event(stage.pp_rank, a, start, time.perf_counter()))
+        for work in pending:
+            work.wait()
+        # One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses.
+        totals = torch.stack([loss_sum, aux_sum]) * scale
+        if p > 1:
+            self.comm.all_reduce(totals)
+        stats.loss, stats.aux_loss = totals[0].item(), totals[1].item()
+        return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradient norm across stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, comms: Iterable[Comm] = ()) -> float:
+    """Clip to a global L2 norm over the parameters of all stages; return the norm before clipping.
+
+    Each rank sums the squares of its own gradients; the sum is all-reduced over `comms`, the groups whose ranks
+    hold *different* parameters (the pipeline group; not data-parallel replicas, which hold the same ones).
+    `max_norm` 0 only measures.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    square = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        square += p.grad.detach().float().pow(2).sum()
+    for comm in comms:
+        if comm.size > 1:
+            comm.all_reduce(square)
+    norm = square.sqrt()
+    if max_norm > 0:
+        # It takes the parameters (it reads p.grad): given the gradients themselves it would silently do nothing.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()

@@ -1,0 +1,351 @@
+"""Pipeline parallelism (chapter 09): schedules, simulator, partition, and parity with the single-device run.
+
+The schedule tests need no process group: they check each schedule's lists against its definition and the
+simulator's bubble against the published formulas. The parity tests run every layout of one world size in ONE
+launch (`_results`, cached for the session) and compare each with tests/parity.py: the loss of every step, and the
+first step's gradient gathered from the stages by parameter name.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import parity
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist.comm import Comm, Ledger
+from minidist.launch import run_ranks
+from minidist.model import build_model, lm_loss
+from minidist.parallel.pipeline import (
+    PipelineRunner,
+    chunk_layers,
+    clip_grad_norm_,
+    partition_model,
+    validate_pipeline,
+)
+from minidist.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    B,
+    F,
+    bubble_formula,
+    build_schedule,
+    check_complete,
+    simulate,
+    with_communication,
+)
+from minidist.topology import ParallelDims, Topology
+
+CFG8 = parity.CFG.replace(n_layers=8)  # pp=4 with 2 virtual stages needs 8 layers
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schedules as data, and the simulator
+# ---------------------------------------------------------------------------------------------------------------
+
+GRID = [(s, p, m, v) for s in SCHEDULES for p in range(1, 6) for m in range(1, 13)
+        for v in ((1, 2, 3, 4) if s == "interleaved" else (1,)) if not (s == "interleaved" and m < p)]
+
+
+def test_every_schedule_is_complete_and_runs_without_deadlock() -> None:
+    for schedule, p, m, v in GRID:
+        actions = build_schedule(schedule, p, m, v)
+        check_complete(actions, p, m, v)
+        simulate(actions)  # raises on a deadlock or on a compute action that runs before its input arrived
+
+
+@pytest.mark.parametrize("t_f,t_b", [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)])
+def test_simulated_bubble_equals_the_formula_exactly(t_f: float, t_b: float) -> None:
+    # t_f, t_b are per micro-batch per rank; a rank with v chunks spends t/v on each.
+    for schedule, p, m, v in GRID:
+        timeline = simulate(build_schedule(schedule, p, m, v), t_f / v, t_b / v)
+        want = (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
+        assert timeline.bubble_fraction() == pytest.approx(want, abs=1e-12), (schedule, p, m, v)
+        assert timeline.makespan == pytest.approx((m + (p - 1) / v) * (t_f + t_b), rel=1e-12)
+        assert bubble_formula(schedule, p, m, v) == pytest.approx(want, abs=1e-15)
+
+
+def test_communication_cost_lengthens_the_critical_path() -> None:
+    # AFAB with p=4, m=4 and latency c: the first backward of rank 0 waits for 3 forward and 3 backward messages.
+    timeline = simulate(build_schedule("afab", 4, 4), 1.0, 2.0, comm=0.5)
+    assert timeline.makespan == pytest.approx((4 + 3) * 3.0 + 2 * 3 * 0.5)
+
+
+def _in_flight(order: list[Action]) -> int:
+    live = peak = 0
+    for a in order:
+        live += (a.kind == F) - (a.kind == B)
+        peak = max(peak, live)
+    return peak
+
+
+def test_1f1b_holds_at_most_p_minus_r_microbatches_and_afab_holds_all() -> None:
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for r in range(p):
+                assert _in_flight(build_schedule("afab", p, m)[r]) == m
+                assert _in_flight(build_schedule("1f1b", p, m)[r]) == min(p - r, m)
+
+
+def test_a_deadlocking_schedule_is_caught() -> None:
+    # Both ranks start with a backward whose gradient nobody has produced yet.
+    orders = [[Action(B, 0, 0), Action(F, 0, 0)], [Action(B, 0, 1), Action(F, 0, 1)]]
+    with pytest.raises(ValueError, match="before its forward|deadlocks"):
+        simulate(with_communication(orders, 2))
+    swapped = build_schedule("1f1b", 2, 2)
+    swapped[1] = [a for a in swapped[1] if a.kind != "RECV_F"] + [Action("RECV_F", 0, 1)]
+    with pytest.raises(ValueError, match="input was received"):
+        simulate(swapped)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and partition
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pp=5, microbatches=5), "fewer than the 5 pipeline chunks"),
+    (dict(pp=2, microbatches=4, virtual_stages=3, schedule="interleaved", cfg=CFG8), "virtual_stages=3 does not"),
+    (dict(pp=2, microbatches=4, virtual_stages=4, schedule="interleaved"), "fewer than the 8 pipeline chunks"),
+    (dict(pp=4, microbatches=2, virtual_stages=1, schedule="interleaved"), "needs microbatches >= pp"),
+    (dict(pp=2, microbatches=2, virtual_stages=2, schedule="1f1b"), "needs schedule='interleaved'"),
+    (dict(pp=2, microbatches=2, schedule="zb"), "unknown pipeline schedule"),
+    (dict(pp=2, microbatches=3, batch_size=8), "does not split into microbatches=3"),
+    (dict(pp=0, microbatches=2), "pp must be a positive integer"),
+])
+def test_bad_layouts_give_one_line_errors(kwargs: dict, match: str) -> None:
+    kwargs = dict(kwargs)
+    with pytest.raises(ValueError, match=match) as info:
+        validate_pipeline(kwargs.pop("cfg", parity.CFG), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_tied_embeddings_are_refused_across_stages() -> None:
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        validate_pipeline(parity.CFG.replace(tie_embeddings=True), 2, 2)
+    validate_pipeline(parity.CFG.replace(tie_embeddings=True), 1, 2)
+
+
+def test_layers_split_evenly_and_in_order() -> None:
+    assert chunk_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [len(c) for c in chunk_layers(7, 3)] == [3, 2, 2]
+    for n in range(1, 13):
+        for k in range(1, n + 1):
+            chunks = chunk_layers(n, k)
+            assert [i for c in chunks for i in c] == list(range(n))
+            assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+
+
+@pytest.mark.parametrize("pp,v", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_stages_keep_the_plain_model_names_and_values(pp: int, v: int) -> None:
+    plain = dict(build_model(CFG8, seed=parity.SEED).named_parameters())
+    seen: list[str] = []
+    for r in range(pp):
+        stage = partition_model(build_model(CFG8, seed=parity.SEED), r, pp, v)
+        for name, param in stage.named_parameters():
+            assert torch.equal(param, plain[name]), name
+            seen.append(name)
+        assert ("tok_emb.weight" in dict(stage.named_parameters())) == (r == 0)
+        assert ("lm_head.weight" in dict(stage.named_parameters())) == (r == pp - 1)
+    assert sorted(seen) == sorted(plain)  # every parameter on exactly one stage
+
+
+@pytest.mark.parametrize("schedule,m,v", [("afab", 4, 1), ("interleaved", 2, 4)])
+def test_one_rank_with_virtual_stages_matches_the_reference(schedule: str, m: int, v: int) -> None:
+    # pp=1 needs no process group: chunks on the same rank hand their activations over locally.
+    reference = parity.reference_run()
+    stage = partition_model(build_model(parity.CFG, seed=parity.SEED), 0, 1, v)
+    runner = PipelineRunner(stage, Comm(), schedule, m)
+    optimizer = parity.make_optimizer(stage.parameters())
+    losses = []
+    for step in range(parity.STEPS):
+        inputs, targets = parity.global_batch(step)
+        losses.append(runner.step(list(zip(inputs.chunk(m), targets.chunk(m)))).loss)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+        clip_grad_norm_(stage.parameters(), parity.GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    parity.assert_losses_match(losses, reference["losses"], f"pp1 {schedule} v={v}")
+    parity.assert_grads_match(grads, reference["grads"], f"pp1 {schedule} v={v}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-process parity: one launch per world size runs every case
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    pp: int
+    m: int
+    v: int = 1
+    dp: int = 1
+    tp: int = 1
+    layers: int = 4
+    batch: int = parity.GLOBAL_BATCH
+    data: str = "none"  # "ddp" (overlapped bucketed all-reduce) or "zero1" when dp > 1
+    sp: bool = False  # sequence parallel (with tp)
+
+    @property
+    def name(self) -> str:
+        extra = (f" dp{self.dp}-{self.data}" if self.dp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
+        extra += " sp" if self.sp else ""
+        return f"pp{self.pp} {self.schedule} m={self.m} v={self.v} batch={self.batch}{extra}"
+
+
+# m = pp, 2·pp, and one m that is not a multiple of pp (m < pp for AFAB/1F1B; 3 and 6 with a batch of 12 for
+# interleaved, which needs m >= pp).
+CASES = {
+    2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
+    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)],
+    4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
+    + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
+       Case("interleaved", 4, 6, 2, layers=8, batch=12)]
+    + [Case("1f1b", 2, 2, dp=2, data="ddp"), Case("interleaved", 2, 2, 2, dp=2, data="ddp"),
+       Case("afab", 2, 2, dp=2, data="zero1")]
+    + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)],
+}
+
+
+def _run_case(case: Case, topo: Topology) -> dict:
+    from minidist.parallel import DataParallel, ZeroOptimizer, split_batch
+    from minidist.parallel.tensor import apply_tensor_parallel, gather_full, sharded_grad_norm
+    from minidist.parallel.vocab import vocab_parallel_lm_loss
+
+    ledger = Ledger()
+    pp_comm, dp_comm, tp_comm = topo.comm("pp", ledger), topo.comm("dp_cp", Ledger()), topo.comm("tp", Ledger())
+    cfg = CFG8 if case.layers == 8 else parity.CFG
+    model = build_model(cfg, seed=parity.SEED)
+    loss_fn, shape = lm_loss, None
+    if case.tp > 1:
+        apply_tensor_parallel(model, cfg, tp_comm, sequence_parallel=case.sp)
+        loss_fn = functools.partial(vocab_parallel_lm_loss, comm=tp_comm)
+        if case.sp:  # hidden states between stages are this rank's slice of the sequence
+            shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // case.tp, cfg.d_model)  # noqa: E731
+    stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn)
+    runner = PipelineRunner(stage, pp_comm, case.schedule, case.m, case.v, activation_shape=shape,
+                            measure_memory=True)
+    optimizer = parity.make_optimizer(stage.parameters())
+    engine = None
+    if case.data == "ddp":
+        engine = DataParallel(stage, dp_comm)
+    elif case.data == "zero1":
+        engine = optimizer = ZeroOptimizer(stage, optimizer, dp_comm, 1)
+    out: dict = {"losses": [], "grads": {}, "coords": dict(topo.coords)}
+    for step in range(parity.STEPS):
+        inputs, targets = parity.global_batch(step, case.batch)
+        batches = split_batch(inputs, targets, topo.coord("dp"), case.dp, case.m)
+        stats = runner.step(batches, no_sync=engine.no_sync if engine is not None else None)
+        if engine is not None:
+            engine.finish_grad_sync()
+        loss = torch.tensor([stats.loss])
+        dp_comm.all_reduce(loss, op="avg")  # the logged loss is the mean over data-parallel replicas
+        out["losses"].append(loss.item())
+        if step == 0:
+            out["peak_bytes"], out["peak_in_flight"] = stats.peak_activation_bytes, stats.peak_in_flight
+            out["send_bytes"] = ledger.bytes("send", "pp")
+            if case.tp > 1:
+                out["grads"] = gather_full(stage, tp_comm, grads=True)
+            elif case.data == "zero1":
+                out["grads"] = engine.full_gradients()
+            else:
+                out["grads"] = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
+        _clip(case, stage, engine, pp_comm, tp_comm, sharded_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def _clip(case, stage, engine, pp_comm, tp_comm, sharded_grad_norm) -> None:
+    """Clip with the norm over the whole model: the stages' squares summed over pp (and tp shards counted once)."""
+    if case.tp > 1:
+        params = [p for p in stage.parameters() if p.grad is not None]
+        norm = sharded_grad_norm([(p.grad, p.tp_layout.replicas) for p in params], [tp_comm, pp_comm])
+        torch.nn.utils.clip_grads_with_norm_(params, parity.GRAD_CLIP, norm)
+    elif case.data == "zero1":
+        # ZeroOptimizer clips by its own dp-sharded norm; bring in the other stages through its max_norm argument.
+        local = engine.clip_grad_norm(0.0)
+        total = torch.tensor([local * local])
+        pp_comm.all_reduce(total)
+        coef = min(1.0, parity.GRAD_CLIP / (total.sqrt().item() + 1e-6))
+        if coef < 1.0:
+            engine.clip_grad_norm(coef * (local + 1e-6))
+    else:
+        clip_grad_norm_(stage.parameters(), parity.GRAD_CLIP, [pp_comm])
+
+
+def _rank_cases(cases: list[Case]) -> list[dict]:
+    results = []
+    for case in cases:
+        dims = ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp)
+        results.append(_run_case(case, Topology(dims, dist.get_rank(), dist.get_world_size())))
+    return results
+
+
+@functools.lru_cache(maxsize=2)
+def _results(world: int) -> list[list[dict]]:
+    """results[case index][rank]."""
+    per_rank = run_ranks(_rank_cases, world, CASES[world], timeout=300)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(CASES[world]))]
+
+
+@functools.lru_cache(maxsize=4)
+def _reference(layers: int, batch: int) -> dict:
+    # parity.reference_run's lru_cache cannot hash a ModelConfig; its uncached body is the same harness.
+    cfg = CFG8 if layers == 8 else parity.CFG
+    return parity.reference_run.__wrapped__(cfg, parity.STEPS, batch)
+
+
+def _cases() -> list[tuple[int, int]]:
+    return [(world, i) for world in CASES for i in range(len(CASES[world]))]
+
+
+@pytest.mark.parametrize("world,index", _cases(), ids=[CASES[w][i].name for w, i in _cases()])
+def test_pipeline_matches_single_device(world: int, index: int) -> None:
+    case = CASES[world][index]
+    results = _results(world)[index]
+    reference = _reference(case.layers, case.batch)
+    for result in results:  # every rank reports the global mean loss
+        parity.assert_losses_match(result["losses"], reference["losses"], case.name)
+    # Gather the full gradient from the stages, by name; data-parallel replicas must hold identical copies.
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, grad in result["grads"].items():
+            if name in grads:
+                assert torch.equal(grads[name], grad), f"{case.name}: replicas disagree on {name}"
+            grads[name] = grad
+    parity.assert_grads_match(grads, reference["grads"], case.name)
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_bytes_sent_between_stages_match_the_schedule(world: int) -> None:
+    # A rank sends one hidden state [rows, T, d] per micro-batch across each chunk boundary it owns, each way.
+    for case, results in zip(CASES[world], _results(world)):
+        if case.dp > 1 or case.tp > 1:
+            continue
+        rows = case.batch // case.m
+        message = rows * parity.SEQ_LEN * parity.CFG.d_model * 4
+        for r, result in enumerate(results):
+            chunks = [r + j * case.pp for j in range(case.v)]
+            boundaries = sum(c + 1 < case.pp * case.v for c in chunks) + sum(c > 0 for c in chunks)
+            assert result["send_bytes"] == case.m * boundaries * message, case.name
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
+    # Measured with saved-tensor hooks: every micro-batch saves the same bytes on a given rank, so the peak is
+    # (micro-batches in flight) x (bytes per micro-batch): m for AFAB, min(p - r, m) for 1F1B.
+    runs = {(c.schedule, c.pp, c.m): res for c, res in zip(CASES[world], _results(world)) if c.dp == c.tp == 1}
+    for (schedule, p, m), results in runs.items():
+        if schedule != "1f1b":
+            continue
+        for r in range(p):
+            afab, one_f_one_b = runs[("afab", p, m)][r], results[r]
+            assert afab["peak_in_flight"] == m and one_f_one_b["peak_in_flight"] == min(p - r, m)
+            assert afab["peak_bytes"] * min(p - r, m) == one_f_one_b["peak_bytes"] * m
+            if m > p - r:
+                assert one_f_one_b["peak_bytes"] < afab["peak_bytes"]
