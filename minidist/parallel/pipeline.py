@@ -116,7 +116,8 @@ class StageModule(nn.Module):
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunk 0 takes tokens [B, T]; others hidden states [B, T, d]. The last chunk returns the mean loss."""
+        """Chunk 0 takes tokens [B, T]; others hidden states [B, T, d]. The last chunk returns the mean loss
+        against `targets`, or the logits when `targets` is None."""
         if chunk not in self.layers:
             raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
         seq = x.shape[1]
@@ -130,7 +131,8 @@ class StageModule(nn.Module):
         for i in self.layers[chunk]:
             x = self.blocks[str(i)](x, rope)
         if chunk == self.n_chunks - 1:
-            return self.loss_fn(self.lm_head(self.norm(x)), targets)
+            logits = self.lm_head(self.norm(x))
+            return logits if targets is None else self.loss_fn(logits, targets)
         return x
 
     def chunk_aux_loss(self, chunk: int) -> torch.Tensor | None:
