@@ -41,17 +41,14 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def _no_barrier() -> None:
-    pass
-
-
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any], *,
-                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] = _no_barrier) -> Path:
+                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None) -> Path:
     """Write this rank's `state` for `step` under `root`; rank 0 also writes `meta` and publishes the directory.
 
     Collective when world_size > 1: every rank calls it with its own state, and `barrier` must synchronize them
     (e.g. `torch.distributed.barrier`). Returns the final directory.
     """
+    barrier = barrier or (lambda: None)
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{step_dir_name(step)}"

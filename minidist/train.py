@@ -318,9 +318,10 @@ class DistEnv:
 
     @classmethod
     def detect(cls) -> DistEnv:
-        if dist.is_available() and dist.is_initialized():  # e.g. minidist.launch.run_ranks
-            return cls(dist.get_rank(), dist.get_world_size(), dist.get_rank())
         env = os.environ
+        if dist.is_available() and dist.is_initialized():  # e.g. minidist.launch.run_ranks
+            rank = dist.get_rank()
+            return cls(rank, dist.get_world_size(), int(env.get("LOCAL_RANK", rank)))
         return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
@@ -608,7 +609,7 @@ def describe_run(run: Run, corpus: Corpus) -> dict[str, Any]:
 def peak_flops_for(cfg: TrainConfig, device: torch.device) -> tuple[float, str]:
     """Peak FLOP/s of one device for MFU, and where the number comes from."""
     if cfg.peak_flops:
-        return cfg.peak_flops, "set by --peak-flops"
+        return cfg.peak_flops, "the peak set by --peak-flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for chip, key in (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("A100", "A100")):
@@ -683,7 +684,7 @@ def save(run: Run, steps_done: int) -> None:
     state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
              "schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(), "rng": _rng_state()}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
-    barrier = dist.barrier if run.env.world_size > 1 else checkpoint._no_barrier
+    barrier = dist.barrier if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
                                world_size=run.env.world_size, barrier=barrier)
 
@@ -824,18 +825,18 @@ def progress_line(record: dict[str, Any], steps: int, clock: Clock) -> str:
 def finish(run: Run, summary: dict[str, Any], clock: Clock) -> dict[str, Any]:
     """The loss curve, the final figures in run.json, one closing line; returns the summary."""
     info = run.info
-    measured = summary["tokens_per_s"][1:] or summary["tokens_per_s"]  # the first step pays one-time costs
     summary.update(
         out=str(run.out), elapsed_s=clock.elapsed, unigram_entropy_nats=info["unigram_entropy_nats"],
         final_loss=summary["losses"][-1] if summary["losses"] else None,
         final_val_loss=summary["val_losses"][max(summary["val_losses"])] if summary["val_losses"] else None,
-        mean_tokens_per_s=sum(measured) / len(measured) if measured else None,
-        mean_mfu=sum(summary["mfu"][1:] or summary["mfu"]) / max(len(summary["mfu"][1:] or summary["mfu"]), 1),
+        mean_tokens_per_s=_mean_after_first(summary["tokens_per_s"]), mean_mfu=_mean_after_first(summary["mfu"]),
         resumed_from=info.get("resumed_from"),
+        param_hash=health.replica_hash(run.model.parameters()),  # replicas of one run must agree on it
     )
     if not run.is_main:
         return summary
-    final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu")}
+    final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu",
+                                     "param_hash")}
     (run.out / "run.json").write_text(json.dumps({**info, "final": final}, indent=2) + "\n")
     if run.cfg.plot:
         records = read_metrics(run.out / "metrics.jsonl")
@@ -845,9 +846,15 @@ def finish(run: Run, summary: dict[str, Any], clock: Clock) -> dict[str, Any]:
     val = f", val {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else ""
     run.log(f"done: {len(summary['steps'])} steps in {_fmt_time(clock.elapsed)}; train loss "
             f"{sum(tail) / max(len(tail), 1):.4f} (mean of the last {len(tail)}){val}; unigram entropy "
-            f"{info['unigram_entropy_nats']:.4f}; {summary['mean_tokens_per_s'] or 0:,.0f} tok/s, "
+            f"{info['unigram_entropy_nats']:.4f}; {summary['mean_tokens_per_s']:,.0f} tok/s, "
             f"MFU {summary['mean_mfu']:.1%}")
     return summary
+
+
+def _mean_after_first(values: list[float]) -> float:
+    """Mean throughput figure, leaving out the first step (it pays one-time costs: allocation, kernel warm-up)."""
+    values = values[1:] or values
+    return sum(values) / len(values) if values else 0.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,16 +30,20 @@ def without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def test_resume_is_bitwise_exact(tmp_path):
+MOE = {**SMALL_MODEL, "moe": {"n_experts": 4, "top_k": 2, "d_expert": 64, "bias_update_speed": 0.01}}
+
+
+@pytest.mark.parametrize("model", [SMALL_MODEL, MOE], ids=["dense", "moe"])
+def test_resume_is_bitwise_exact(tmp_path, model):
     out = tmp_path / "run"
-    full = train.train(small_config(out))
+    full = train.train(small_config(out, model_overrides=model))
     uninterrupted = records(out)
     final_model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=False)["model"]
 
     # Pretend the run crashed after step 5 with its last checkpoint at step 3: metrics hold steps 0..5.
     shutil.rmtree(out / "checkpoints" / "step_000006")
     (out / "checkpoints" / "latest").write_text("step_000003\n")
-    resumed = train.train(small_config(out, resume=True))
+    resumed = train.train(small_config(out, model_overrides=model, resume=True))
 
     assert resumed["resumed_from"] == 3 and resumed["steps"] == [3, 4, 5]
     assert resumed["losses"] == full["losses"][3:]  # bitwise: == on floats

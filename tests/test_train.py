@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from minidist import health, train
-from minidist.data import load_corpus, unigram_entropy_nats
+from minidist.data import BatchSampler, load_corpus, unigram_entropy_nats
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.optim import WarmupCosine, build_optimizer, param_groups
 from minidist.train import ConfigError, TrainConfig, parse_config
@@ -194,6 +194,48 @@ def test_run_writes_metrics_run_json_and_plot(tmp_path):
     assert info["config"]["model"] == {"preset": "tiny", **SMALL_MODEL}
     assert info["final"]["final_loss"] == records[-1]["loss"]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_matches_a_plain_torch_loop(tmp_path):
+    """The trainer's numbers equal a loop written directly against torch: same batches, AdamW, clipping, schedule."""
+    cfg = small_config(tmp_path, steps=4, warmup_steps=2, grad_clip=0.5, weight_decay=0.1, microbatches=2)
+    summary = train.train(cfg)
+
+    model = build_model(get_preset("tiny", **SMALL_MODEL), seed=cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "emb" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "emb" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    sampler = BatchSampler(load_corpus(None, cfg.val_fraction, cfg.max_bytes).train, cfg.seq_len, cfg.batch_size,
+                           cfg.seed)
+    losses, norms = [], []
+    for step in range(cfg.steps):
+        lr = cfg.lr * (step + 1) / 2 if step < 2 else cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (
+            1 + math.cos(math.pi * (step - 2) / (cfg.steps - 2)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        inputs, targets = sampler.batch(step)
+        loss = lm_loss(model(inputs), targets)  # the whole batch at once: accumulation must not change the math
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert summary["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    got_norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert got_norms == pytest.approx(norms, rel=1e-4)
+
+
+def test_moe_model_logs_aux_loss_and_expert_stats(tmp_path):
+    moe = {"n_experts": 4, "top_k": 2, "d_expert": 64, "bias_update_speed": 0.01}
+    cfg = small_config(tmp_path, model_overrides={**SMALL_MODEL, "moe": moe}, steps=3, ckpt_every=3)
+    summary = train.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert all(r["aux_loss"] > 0 and r["moe_load_imbalance"] >= 1.0 for r in rows)
+    assert all(math.isfinite(x) for x in summary["losses"])
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000003" / "rank0.pt", weights_only=False)
+    biases = [v for k, v in state["model"].items() if k.endswith("router_bias")]
+    assert biases and any(b.abs().sum() > 0 for b in biases)  # the aux-loss-free update ran
 
 
 def test_text_directory_as_data(tmp_path):
