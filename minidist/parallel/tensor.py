@@ -56,14 +56,15 @@ def _all_reduce(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None) -
     return y.to(x.dtype)
 
 
+# Comm gathers and scatters along dim 0; the sequence is dim 1 of [batch, seq, ...]. The results are made contiguous
+# again: a transposed view would make each linear that reads it save its own contiguous copy for the backward pass.
 def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    # Comm gathers along dim 0; the sequence is dim 1 of [batch, seq, ...].
-    return comm.all_gather(x.transpose(0, 1).contiguous()).transpose(0, 1)
+    return comm.all_gather(x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     y = x.transpose(0, 1).to(reduce_dtype or x.dtype, memory_format=torch.contiguous_format)
-    return comm.reduce_scatter(y).to(x.dtype).transpose(0, 1)
+    return comm.reduce_scatter(y).transpose(0, 1).to(x.dtype, memory_format=torch.contiguous_format)
 
 
 class _CopyToTP(torch.autograd.Function):  # f
