@@ -1,0 +1,143 @@
+"""Training-step speed of the minidist model against Hugging Face's LlamaForCausalLM of the same architecture.
+
+    .venv/bin/python bench/model.py [--preset small] [--batch 8] [--seq 256] [--steps 10] [--warmup 3]
+
+Both models compute the same function: the reference is built from a LlamaConfig with our shapes (no download),
+our weights are copied into it, and the logits must agree before anything is timed. Each step is forward +
+cross-entropy + backward. The two models alternate step by step, so a change in machine load hits both alike; the
+median step time of each is reported. Last line: a JSON object with `ratio` = minidist time / reference time.
+
+Needs `transformers` (the `bench` extra), which minidist itself does not depend on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from minidist.flops import flops_per_token, measure_peak_flops
+from minidist.model import build_model, get_preset, lm_loss
+from minidist.model.config import ModelConfig
+
+
+def reference_model(cfg: ModelConfig):
+    """A transformers LlamaForCausalLM with the shapes of cfg (a Llama-style preset)."""
+    try:
+        import transformers
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        sys.exit("bench/model.py needs Hugging Face transformers for its reference model: "
+                 ".venv/bin/pip install transformers  (or: pip install -e '.[bench]')")
+    if (cfg.mlp, cfg.norm, cfg.position, cfg.bias, cfg.rope_layout, cfg.attention) != (
+            "swiglu", "rmsnorm", "rope", False, "half", "gqa") or cfg.rope_scaling.kind != "none" or cfg.moe.n_experts:
+        sys.exit("the reference is HF Llama: use a preset with swiglu, rmsnorm, rope (half layout), no bias, gqa, "
+                 "no rope scaling, no MoE (e.g. tiny, small)")
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, attention_bias=False, mlp_bias=False,
+        hidden_act="silu", use_cache=False,
+    )
+    hf_cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(hf_cfg), transformers.__version__
+
+
+@torch.no_grad()
+def copy_weights(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Our parameter names -> HF Llama's. Both use rotate_half RoPE ("half" layout), so q/k need no permutation."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    per_layer = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+                 "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+                 "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+                 "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w3.weight": "mlp.up_proj.weight",
+                 "mlp.w2.weight": "mlp.down_proj.weight"}
+    ref_params = dict(ref.named_parameters())
+    copied = set()
+    for name, p in ours.named_parameters():
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            target = f"model.layers.{i}.{per_layer[rest]}"
+        else:
+            target = names[name]
+        ref_params[target].copy_(p)
+        copied.add(target)
+    missing = sorted(set(ref_params) - copied)
+    if missing:
+        raise RuntimeError(f"reference parameters with no minidist counterpart: {missing[:5]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    cfg = get_preset(args.preset)
+    ours = build_model(cfg, seed=args.seed)
+    ref, hf_version = reference_model(cfg)
+    copy_weights(ours, ref)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    with torch.no_grad():
+        a, b = ours(tokens), ref(input_ids=tokens).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"minidist and HF logits differ: {m}")
+    max_diff = (a - b).abs().max().item()
+
+    def step(model, forward):
+        model.zero_grad(set_to_none=True)
+        logits = forward(tokens)
+        loss = lm_loss(logits[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss.item()
+
+    runs = {"minidist": (ours, lambda t: ours(t)), "reference": (ref, lambda t: ref(input_ids=t).logits)}
+    losses = {name: step(model, fwd) for name, (model, fwd) in runs.items()}
+    assert abs(losses["minidist"] - losses["reference"]) < 1e-4, losses
+    grads = {name: dict(model.named_parameters()) for name, (model, _) in runs.items()}
+    g_ours = grads["minidist"]["blocks.0.attn.wq.weight"].grad
+    g_ref = grads["reference"]["model.layers.0.self_attn.q_proj.weight"].grad
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-3, atol=1e-6, msg=lambda m: f"gradients differ: {m}")
+
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.warmup + args.steps):
+        order = list(runs) if i % 2 == 0 else list(reversed(runs))
+        for name in order:
+            model, fwd = runs[name]
+            start = time.perf_counter()
+            step(model, fwd)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+
+    n_tokens = args.batch * args.seq
+    fpt = flops_per_token(cfg, args.seq)
+    peak = measure_peak_flops(torch.float32, size=1024)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"preset {args.preset}: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
+          f"({cfg.n_kv_heads} kv), batch {args.batch} x seq {args.seq}, torch {torch.__version__}, "
+          f"transformers {hf_version}, {torch.get_num_threads()} threads; logits max |diff| {max_diff:.1e}")
+    print(f"{'model':<10} {'median s/step':>14} {'min':>8} {'max':>8} {'tokens/s':>10} {'GFLOP/s':>9} "
+          f"{'MFU vs matmul':>14}")
+    for name, t in times.items():
+        tps = n_tokens / median[name]
+        print(f"{name:<10} {median[name]:>14.4f} {min(t):>8.4f} {max(t):>8.4f} {tps:>10.0f} "
+              f"{tps * fpt / 1e9:>9.1f} {tps * fpt / peak:>14.1%}")
+    print(f"(measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, 1024^3)")
+    ratio = median["minidist"] / median["reference"]
+    print(json.dumps({"ratio": round(ratio, 4), "minidist_s": round(median["minidist"], 5),
+                      "reference_s": round(median["reference"], 5), "preset": args.preset, "batch": args.batch,
+                      "seq": args.seq, "steps": args.steps, "transformers": hf_version}))
+
+
+if __name__ == "__main__":
+    main()
