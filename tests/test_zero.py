@@ -1,0 +1,135 @@
+"""Chapter 07, ZeRO stages 0-3: parity with one device, ledger bytes and memory against the paper's formulas,
+global-norm clipping across shards, exact resume from checkpoints.
+
+Every multi-process case runs inside one launch per world size (tests/dp_cases.py), shared with
+test_data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dp_cases
+import parity
+import pytest
+
+from minidist.comm import ring_bytes_sent
+from minidist.parallel import zero_comm_bytes, zero_memory_bytes
+
+WORLDS = (2, 4)
+STAGES = (0, 1, 2, 3)
+MICRO = (1, 2)
+
+
+def mean_losses(world: int, case: str) -> list[float]:
+    per_rank = [r[case]["losses"] for r in dp_cases.results(world)]
+    return [sum(step) / world for step in zip(*per_rank)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("micro", MICRO)
+def test_parity_with_one_device(world: int, stage: int, micro: int) -> None:
+    """Losses of 3 steps (clipping active) and the step-0 gradient, assembled from shards by name."""
+    case = f"zero{stage}_m{micro}"
+    reference = parity.reference_run()
+    parity.assert_losses_match(mean_losses(world, case), reference["losses"], f"dp={world} {case}")
+    parity.assert_grads_match(dp_cases.results(world)[0][case]["grads"], reference["grads"], f"dp={world} {case}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_global_grad_norm_across_shards(world: int, stage: int) -> None:
+    """The norm each rank reports (sum of its shard's squares, all-reduced) is the single-device norm."""
+    reference = parity.reference_run()["grad_norms"]
+    for r in dp_cases.results(world):
+        for got, want in zip(r[f"zero{stage}_m1"]["norms"], reference):
+            assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_replicas_agree(world: int, stage: int) -> None:
+    hashes = {r[f"zero{stage}_m2"]["replica_hash"] for r in dp_cases.results(world)}
+    assert len(hashes) == 1, hashes
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("micro", MICRO)
+def test_ledger_bytes_per_step(world: int, stage: int, micro: int) -> None:
+    """Ring formulas with M = 4·Ψ' bytes (Ψ' = padded elements, N | Ψ'): all-reduce 2(N-1)/N·M; reduce-scatter and
+    all-gather (N-1)/N·M each. Stage 0 all-reduces once per step; 1 reduce-scatters once and all-gathers the
+    update; 2 reduce-scatters every micro-batch; 3 all-gathers twice and reduce-scatters once per micro-batch."""
+    case = f"zero{stage}_m{micro}"
+    one = lambda padded: (world - 1) * padded * 4 // world  # noqa: E731
+    want = {0: {"all_reduce": 2}, 1: {"reduce_scatter": 1, "all_gather": 1},
+            2: {"reduce_scatter": micro, "all_gather": 1}, 3: {"reduce_scatter": micro, "all_gather": 2 * micro}}
+    for rank, r in enumerate(dp_cases.results(world)):
+        out = r[case]
+        assert 0 <= out["padded"] - out["numel"] < world * out["buckets"]
+        for entry in out["ledger"][1:]:  # step 0 also gathers the gradient for the parity check
+            got = {op: v["bytes"] for (op, group), v in entry.items() if group == "dp_cp"}
+            norm = got.pop("all_reduce") if stage > 0 else 0
+            assert got == {op: k * one(out["padded"]) for op, k in want[stage].items()}, f"{case} rank {rank}"
+            if stage > 0:  # plus one fp32 scalar all-reduce: the global gradient norm
+                assert norm == ring_bytes_sent("all_reduce", (1,), 4, world, rank)
+                assert entry[("all_reduce", "dp_cp")]["calls"] == 1
+            formula = zero_comm_bytes(out["padded"], world, stage, micro)
+            assert got == pytest.approx(formula)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_memory_per_rank_matches_the_formula(world: int, stage: int) -> None:
+    """Bytes of the storages each rank holds after a step, against (P + G + K)·Ψ with fp32 P = G = 4, Adam K = 8.
+
+    Two exact corrections: flat buffers carry Ψ' >= Ψ elements (padding), and AdamW keeps a 4-byte step counter per
+    tensor it updates (`pieces`).
+    """
+    results = dp_cases.results(world)
+    optimizer_total = 0
+    for r in results:
+        out = r[f"zero{stage}_m1"]
+        psi, padded, mem = out["numel"], out["padded"], out["memory"]
+        params_psi = {0: psi, 1: padded, 2: padded, 3: padded / world}[stage]
+        grads_psi = padded if stage <= 1 else padded / world
+        assert mem["params"] == 4 * params_psi
+        assert mem["grads"] == 4 * grads_psi
+        optimizer_total += mem["optimizer"] - 4 * out["pieces"]
+        total = mem["params"] + mem["grads"] + mem["optimizer"]
+        formula = zero_memory_bytes(psi, world, stage, optimizer_bytes_per_param=8, param_bytes=4, grad_bytes=4)
+        assert total == pytest.approx(formula, rel=0.02)
+    # The optimizer shards partition the 8Ψ bytes of Adam's moments exactly.
+    assert optimizer_total == 8 * results[0]["zero0_m1"]["numel"] * (world if stage == 0 else 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero3_gathers_just_in_time(world: int) -> None:
+    """Stage 3 never holds the whole model: at most the root unit (embeddings, head), the block computing and the
+    block prefetched are gathered. Gradient buckets: the root's (its gradients arrive first and last), the block's
+    being filled and one in flight."""
+    for r in dp_cases.results(world):
+        out = r["zero3_m1"]
+        root, *blocks = reversed(out["unit_bytes"])  # units are in backward order: blocks last to first, then root
+        peak = out["peak_transient"]
+        assert 0 < peak["gathered_params"] <= root + 2 * max(blocks) < 4 * out["numel"]
+        assert 0 < peak["grad_buckets"] <= root + 2 * max(blocks) < 4 * out["numel"]
+
+
+def test_zero_memory_formula_reproduces_the_paper() -> None:
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.88 GB."""
+    psi = 7.5e9
+    got = [zero_memory_bytes(psi, 64, s) / 1e9 for s in STAGES]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.88], abs=0.06)
+    assert zero_memory_bytes(psi, 1, 3) == zero_memory_bytes(psi, 1, 0) == 16 * psi
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zero_memory_bytes(psi, 8, 4)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_checkpoint_resume_is_exact(stage: int) -> None:
+    """Save after 2 steps, continue 1; rebuild from the save and redo the step: same loss and parameters, bitwise."""
+    for r in dp_cases.results(2):
+        out = r[f"checkpoint_zero{stage}"]
+        assert out["first"] == out["again"]
+        assert out["same_params"]
+        assert out["refused"].startswith("this ZeRO state was saved with layout stage") and "\n" not in out["refused"]
