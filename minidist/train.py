@@ -11,6 +11,12 @@ Read it top to bottom; each part is one short function:
 4. The loop: `train(cfg)` sets up a `Run` (`setup`), restores it (`restore`) and runs `train_loop`, which logs
    `OUT/metrics.jsonl`, evaluates, checkpoints and finally plots `OUT/loss.png`.
 
+Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigram entropy, FLOPs per token, the
+peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer
+step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
+`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
+`aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.checkpoint).
+
 Where the parallel chapters plug in: `resolve_parallel_dims` (drop the "not available yet" error of a dimension),
 `parallelize` (swap modules, keep this rank's pipeline stage, shard parameters, hook gradient reduction),
 `local_batches` (which rows and which positions this rank sees), `global_mean` (the logged loss over replicas),
@@ -333,7 +339,6 @@ NOT_AVAILABLE_YET = {
     "cp": ("context parallelism", "10"),
     "ep": ("expert parallelism", "11"),
 }
-ZERO_CHAPTER = "07"
 
 
 def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -348,8 +353,8 @@ def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     for name, (what, chapter) in NOT_AVAILABLE_YET.items():
         if getattr(dims, name) > 1:
             raise ConfigError(f"--{name} {getattr(dims, name)}: {what} is not available yet (chapter {chapter})")
-    if cfg.zero > 0 and ZERO_CHAPTER:
-        raise ConfigError(f"--zero {cfg.zero}: ZeRO sharding is not available yet (chapter {ZERO_CHAPTER})")
+    if cfg.zero > 0:
+        raise ConfigError(f"--zero {cfg.zero}: ZeRO sharding is not available yet (chapter 07)")
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
                           f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
