@@ -32,12 +32,15 @@ from minidist.model import build_model
 from minidist.parallel.tensor import (
     apply_tensor_parallel,
     clip_tp_grad_norm_,
+    clip_zero_tp_grad_norm_,
     expected_tp_traffic,
+    full_tensor,
     gather_full,
     tensor_parallel_plan,
     validate_tensor_parallel,
 )
 from minidist.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_lm_loss
+from minidist.parallel.zero import ZeroOptimizer
 from minidist.topology import ParallelDims, Topology
 
 # GPT-2's choices (GELU, LayerNorm with biases, learned positions, tied embeddings) on the parity shapes; with
@@ -45,12 +48,12 @@ from minidist.topology import ParallelDims, Topology
 GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned", tie_embeddings=True)
 STEPS = 3
 
-# (label, config name, dp, tp, sequence_parallel, steps)
+# (label, config name, dp, tp, sequence_parallel, steps); dp > 1 runs ZeRO stage 1 over dp_cp
 LAYOUTS = {
     2: [("tp2", "llama", 1, 2, False, STEPS), ("tp2+sp", "llama", 1, 2, True, STEPS),
         ("gpt tp2+sp", "gpt", 1, 2, True, 2)],
     4: [("tp4", "llama", 1, 4, False, STEPS), ("tp4+sp", "llama", 1, 4, True, STEPS),
-        ("dp2xtp2", "llama", 2, 2, False, STEPS), ("gpt tp4+sp", "gpt", 1, 4, True, 2)],
+        ("dp2xtp2 zero1", "llama", 2, 2, False, STEPS), ("gpt tp4+sp", "gpt", 1, 4, True, 2)],
 }
 CONFIGS = {"llama": CFG, "gpt": GPT_CFG}
 
@@ -71,6 +74,8 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
     init_matches = all(torch.equal(full, init_value(name, full.shape, cfg, SEED))
                        for name, full in gather_full(model, quiet).items())
     optimizer = make_optimizer(model.parameters())
+    zero = ZeroOptimizer(model, optimizer, dp_comm, stage=1) if dp > 1 else None
+    layouts = {name: param.tp_layout for name, param in model.named_parameters()}
     losses, norms, grads, traffic = [], [], {}, {}
     rows = GLOBAL_BATCH // dp
     first = topo.coord("dp") * rows
@@ -81,13 +86,18 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
         loss.backward()
         if step == 0:
             traffic = ledger.totals()
-        for param in model.parameters():  # data parallel: mean gradient over the replicas of this shard
-            dp_comm.all_reduce(param.grad, op="avg")
-        if step == 0:
-            grads = gather_full(model, quiet, grads=True)
-        norms.append(clip_tp_grad_norm_(model, GRAD_CLIP, quiet))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if zero is None:
+            if step == 0:
+                grads = gather_full(model, quiet, grads=True)
+            norms.append(clip_tp_grad_norm_(model, GRAD_CLIP, quiet))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:  # ZeRO-1 over dp_cp: this tp shard's gradients averaged over dp, optimizer state sharded over dp
+            if step == 0:
+                grads = {n: full_tensor(g, layouts[n], quiet) for n, g in zero.full_gradients().items()}
+            norms.append(clip_zero_tp_grad_norm_(zero, GRAD_CLIP, quiet))
+            zero.step()
+            zero.zero_grad()
         mean_loss = loss.detach().clone()
         dp_comm.all_reduce(mean_loss, op="avg")
         losses.append(mean_loss.item())

@@ -19,12 +19,13 @@ value the model was built with. The model then returns this rank's vocabulary sh
 `vocab_parallel_lm_loss`. Replicated parameters whose gradient is a partial sum over the tp ranks (norm weights
 under sequence parallelism, key/value heads replicated because tp > n_kv_heads) get a gradient hook that sums it:
 f applied to the parameter itself.
+
+Where each shard sits (`TPLayout`), full tensors from shards and gradient norms over shards are in
+`minidist.parallel.sharded` (re-exported here); the vocabulary split is in `minidist.parallel.vocab`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -35,13 +36,24 @@ from minidist.comm import Comm, ring_bytes_sent
 from minidist.model.attention import GroupedQueryAttention
 from minidist.model.config import ModelConfig
 from minidist.model.layers import GeluMLP, SwiGLU
+from minidist.parallel.sharded import (
+    TPLayout,
+    clip_tp_grad_norm_,
+    clip_zero_tp_grad_norm_,
+    full_tensor,
+    gather_full,
+    load_full,
+    narrow,
+    sharded_grad_norm,
+    tp_grad_norm,
+)
 from minidist.parallel.vocab import VocabParallelEmbedding, vocab_parallel_lm_loss, vocab_range
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TPLayout", "apply_tensor_parallel", "clip_tp_grad_norm_",
-    "copy_to_tp", "expected_tp_traffic", "full_tensor", "gather_full", "gather_sequence", "load_full",
-    "reduce_from_tp", "reduce_scatter_sequence", "sharded_grad_norm", "tensor_parallel_plan", "tp_grad_norm",
-    "validate_tensor_parallel", "vocab_parallel_lm_loss",
+    "clip_zero_tp_grad_norm_", "copy_to_tp", "expected_tp_traffic", "full_tensor", "gather_full", "gather_sequence",
+    "load_full", "reduce_from_tp", "reduce_scatter_sequence", "sharded_grad_norm", "tensor_parallel_plan",
+    "tp_grad_norm", "validate_tensor_parallel", "vocab_parallel_lm_loss",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,38 +142,11 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dty
     return _ReduceScatterSequence.apply(x, comm, reduce_dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Where each rank's shard sits in the full tensor
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """A parameter's place across the tp ranks: the full tensor cut into `parts` slices along `dim` (None: whole),
-    this rank holding slice `index`; `replicas` = tp ranks holding identical copies (tp / parts)."""
-
-    dim: int | None
-    index: int
-    parts: int
-    replicas: int
-
-    def holder(self, slice_index: int) -> int:
-        """The first tp rank that holds slice `slice_index` (rank r holds slice r // replicas)."""
-        return slice_index * self.replicas
-
-
-def _narrow(full: torch.Tensor, layout: TPLayout) -> torch.Tensor:
-    if layout.dim is None:
-        return full
-    size = full.shape[layout.dim] // layout.parts
-    return full.narrow(layout.dim, layout.index * size, size)
-
-
 def _shard(param: nn.Parameter | None, layout: TPLayout) -> nn.Parameter | None:
     """A new Parameter holding this rank's slice (a copy: the full tensor can be freed)."""
     if param is None:
         return None
-    shard = nn.Parameter(_narrow(param.detach(), layout).clone(), requires_grad=param.requires_grad)
+    shard = nn.Parameter(narrow(param.detach(), layout).clone(), requires_grad=param.requires_grad)
     shard.tp_layout = layout
     return shard
 
@@ -362,72 +347,6 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
         if not hasattr(param, "tp_layout"):
             param.tp_layout = TPLayout(None, 0, 1, tp)  # replicated, identical gradient on every tp rank
     return model
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Gradient norm, full tensors
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def sharded_grad_norm(pieces: Iterable[tuple[torch.Tensor, int]], comms: Sequence[Comm]) -> torch.Tensor:
-    """sqrt(Σ ||piece||² / replicas), the sum taken over this rank's pieces and then over every group in `comms`.
-
-    A piece is (gradient tensor, number of ranks of those groups holding an identical copy). Dividing by the
-    replicas counts a replicated gradient once however many ranks hold it; a sharded one has replicas 1. With
-    tensor parallelism alone: pieces = each parameter's grad with `tp_layout.replicas`, comms = [tp]. Composed with
-    a ZeRO optimizer over dp_cp: pieces = this rank's slices of the gradient shards, comms = [dp_cp, tp].
-    """
-    pieces = list(pieces)
-    device = pieces[0][0].device if pieces else None
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for grad, replicas in pieces:
-        local += grad.detach().double().pow(2).sum() / replicas
-    for comm in comms:
-        comm.all_reduce(local)
-    return local.sqrt().float()
-
-
-def tp_grad_norm(model: nn.Module, comm: Comm) -> torch.Tensor:
-    """The global L2 norm of the gradients of a tensor-parallel model, identical on all tp ranks: every shard
-    counted once, every replicated parameter counted once (not tp times). One all-reduce of a scalar."""
-    return sharded_grad_norm(((p.grad, p.tp_layout.replicas) for p in model.parameters() if p.grad is not None),
-                             [comm])
-
-
-def clip_tp_grad_norm_(model: nn.Module, max_norm: float, comm: Comm) -> float:
-    """Scale the gradients so the global norm (`tp_grad_norm`) is at most max_norm (0: no clipping); return the norm
-    before clipping. Every tp rank scales by the same factor, so replicas stay identical."""
-    norm = tp_grad_norm(model, comm)
-    if max_norm > 0:
-        # clip_grads_with_norm_ takes the parameters (it reads .grad), not the gradient tensors
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
-    return norm.item()
-
-
-def full_tensor(local: torch.Tensor, layout: TPLayout, comm: Comm) -> torch.Tensor:
-    """The whole tensor from every tp rank's slice (one all-gather); a replicated tensor is returned as is."""
-    if layout.dim is None:
-        return local.detach().clone()
-    pieces = comm.all_gather(local.detach().movedim(layout.dim, 0).contiguous()).chunk(comm.size)
-    whole = torch.cat([pieces[layout.holder(i)] for i in range(layout.parts)])
-    return whole.movedim(0, layout.dim)
-
-
-def gather_full(model: nn.Module, comm: Comm, grads: bool = False) -> dict[str, torch.Tensor]:
-    """{name: full parameter (or gradient, with grads=True)} on every tp rank: names as in the plain model."""
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = param.grad if grads else param
-        if tensor is not None:
-            out[name] = full_tensor(tensor, param.tp_layout, comm)
-    return out
-
-
-@torch.no_grad()
-def load_full(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's slice of every full tensor in `state` (e.g. a single-device checkpoint) into the model."""
-    for name, param in model.named_parameters():
-        param.copy_(_narrow(state[name], param.tp_layout))
 
 
 # ---------------------------------------------------------------------------------------------------------------
