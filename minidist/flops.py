@@ -20,8 +20,6 @@ is O(d) per token against O(d²) for the matmuls.
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 
 import torch
@@ -240,27 +238,3 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 2048, dev
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return 2.0 * size**3 / min(times)
-
-
-def median_time(fn, repeats: int = 10, warmup: int = 2, sync=None) -> float:
-    """Median wall time in seconds of fn() over `repeats` calls after `warmup` calls (sync() around each, if given)."""
-    times = []
-    for i in range(warmup + repeats):
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def fmt_flops(x: float) -> str:
-    """A FLOP count with an SI prefix for tables, e.g. 3.14e23 -> '314 ZFLOP'."""
-    if x == 0:
-        return "0 FLOP"
-    prefixes = ["", "K", "M", "G", "T", "P", "E", "Z", "Y"]
-    k = min(int(math.log10(abs(x)) // 3), len(prefixes) - 1)
-    return f"{x / 10 ** (3 * k):.3g} {prefixes[k]}FLOP"
