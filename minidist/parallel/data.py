@@ -102,6 +102,7 @@ class Bucket:
         self.numel = sum(self.numels)
         self.padded = -(-self.numel // pad_to) * pad_to
         self.grad: torch.Tensor | None = None  # the flat gradient buffer (allocated by the owner)
+        self.grad_views: list[torch.Tensor] = []  # each parameter's view of it
         self.ready = 0  # gradients that arrived during the current backward
         self.handle: Handle | None = None
         self.after_wait: Callable[[], None] | None = None  # a timeline callback to run once the handle is waited
@@ -243,6 +244,7 @@ class DataParallel:
     def _allocate_grad_buffers(self) -> None:
         for bucket in self.buckets:
             bucket.grad = torch.zeros(bucket.padded, dtype=self.reduce_dtype, device=bucket.params[0].device)
+            bucket.grad_views = bucket.views(bucket.grad)
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         return bucket.grad
@@ -300,7 +302,8 @@ class DataParallel:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         self._pending = True
         bucket, i = self._slot[id(param)]
-        view = bucket.views(self._grad_buffer(bucket))[i]
+        self._grad_buffer(bucket)
+        view = bucket.grad_views[i]
         view.add_(param.grad)  # accumulate (and cast to reduce_dtype): the bucket is the gradient's only home
         param.grad = None
         if self.timeline is not None:
@@ -369,6 +372,6 @@ class DataParallel:
 
     def _publish(self) -> None:
         for bucket in self.buckets:
-            for param, view in zip(bucket.params, bucket.views(bucket.grad)):
+            for param, view in zip(bucket.params, bucket.grad_views):
                 param.main_grad = view
                 param.grad = view if view.dtype == param.dtype else view.to(param.dtype)

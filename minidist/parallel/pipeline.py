@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.comm import Comm
+from minidist.comm import Comm, Ledger
 from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
 from minidist.parallel.schedules import (
@@ -38,11 +38,13 @@ from minidist.parallel.schedules import (
     SEND_B,
     SEND_F,
     Action,
+    B,
     Event,
     F,
     build_schedule,
     check_schedule_args,
     chunk_rank,
+    forward_only,
     rank_chunks,
 )
 
@@ -223,6 +225,8 @@ class PipelineRunner:
             return
         # Comm.isend has no tag; record as it would and post the tagged send on its group.
         self.comm.ledger.record("send", self.comm.name, tensor.numel() * tensor.element_size())
+        # A send in flight keeps its tensor alive: drop the finished ones now rather than at the end of the step.
+        pending[:] = [work for work in pending if not work.is_completed()]
         pending.append(dist.isend(tensor.contiguous(), dst=self.comm.global_rank(peer), group=self.comm.group,
                                   tag=tag))
 
@@ -248,8 +252,20 @@ class PipelineRunner:
         """
         if len(batches) != self.microbatches:
             raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
+        return self._run(self.actions, batches, autocast, no_sync)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+        """The mean loss over `batches` (any number of micro-batches), forwards only; the same on every rank."""
+        actions = forward_only(self.pp, len(batches), self.stage.virtual_stages)[self.stage.pp_rank]
+        return self._run(actions, batches, autocast, None).loss
+
+    def _run(self, actions: list[Action], batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast: Callable[[], contextlib.AbstractContextManager],
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None) -> StepStats:
         stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
-        scale = 1.0 / self.microbatches
+        scale = 1.0 / len(batches)
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss on the last chunk)
         aux: dict[tuple[int, int], torch.Tensor] = {}
@@ -263,14 +279,14 @@ class PipelineRunner:
         stats = StepStats(loss=0.0)
         live = 0
         positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
-        last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
-        for index, a in enumerate(self.actions):
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == B), default=-1)
+        for index, a in enumerate(actions):
             start = time.perf_counter()
             key = (a.mb, a.chunk)
             tokens, targets = batches[a.mb]
             if a.kind == RECV_F:
                 x = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk - 1, p), self._tag(F, *key), mailbox)
-                inputs[key] = x.requires_grad_()
+                inputs[key] = x.requires_grad_(torch.is_grad_enabled())
             elif a.kind == F:
                 x = tokens if a.chunk == 0 else inputs[key]
                 with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
@@ -291,8 +307,8 @@ class PipelineRunner:
                            mailbox, pending)
             elif a.kind == RECV_B:
                 out_grads[key] = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk + 1, p),
-                                            self._tag("B", *key), mailbox)
-            elif a.kind == "B":
+                                            self._tag(B, *key), mailbox)
+            elif a.kind == B:
                 out = outputs.pop(key)
                 tensors = [out * scale] if a.chunk == last else [out]
                 grads = [None] if a.chunk == last else [out_grads.pop(key)]
@@ -305,7 +321,7 @@ class PipelineRunner:
                     in_grads[key] = inputs.pop(key).grad
                 live -= held.pop(key)
             elif a.kind == SEND_B:
-                self._send(in_grads.pop(key), chunk_rank(a.chunk - 1, p), self._tag("B", a.mb, a.chunk - 1),
+                self._send(in_grads.pop(key), chunk_rank(a.chunk - 1, p), self._tag(B, a.mb, a.chunk - 1),
                            mailbox, pending)
             stats.events.append(Event(stage.pp_rank, a, start, time.perf_counter()))
         for work in pending:
@@ -342,3 +358,47 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, comms: 
         # It takes the parameters (it reads p.grad): given the gradients themselves it would silently do nothing.
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring schedules (notebook 09, benchmarks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], batch_size: int, seq_len: int,
+                     steps: int = 2, seed: int = 0, measure_memory: bool = True) -> list[dict]:
+    """Rank function for `run_ranks(profile_pipeline, pp, ...)`: run schedules on random tokens, no optimizer.
+
+    For each (schedule, microbatches, virtual_stages) in `runs`: partition a model built from (cfg, seed), run
+    `steps` steps (all ranks start each step after a barrier) and return a dict with `events`, one list per step
+    (time.perf_counter(), one clock for all processes of a machine), the last step's `loss`,
+    `peak_activation_bytes`, `peak_in_flight`, `send_bytes` (point to point, from the ledger) and the first step's
+    gradients by name (`grads`).
+    """
+    from minidist.model.transformer import build_model
+    from minidist.topology import ParallelDims, Topology
+
+    topo = Topology(ParallelDims(pp=dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
+    targets = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
+    results = []
+    for schedule, m, v in runs:
+        stage = partition_model(build_model(cfg, seed), topo.coord("pp"), topo.size("pp"), v)
+        ledger = Ledger()
+        runner = PipelineRunner(stage, topo.comm("pp", ledger), schedule, m, v, measure_memory=measure_memory)
+        batches = list(zip(inputs.chunk(m), targets.chunk(m)))
+        events = []
+        for step in range(steps):
+            stage.zero_grad(set_to_none=True)
+            ledger.reset()
+            dist.barrier()
+            stats = runner.step(batches)
+            events.append(stats.events)
+            if step == 0:
+                grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
+        results.append({"schedule": schedule, "microbatches": m, "virtual_stages": v, "events": events,
+                        "loss": stats.loss, "peak_activation_bytes": stats.peak_activation_bytes,
+                        "peak_in_flight": stats.peak_in_flight, "grads": grads,
+                        "send_bytes": ledger.bytes("send", "pp")})
+    return results

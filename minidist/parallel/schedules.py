@@ -122,9 +122,10 @@ def interleaved_order(pp: int, microbatches: int, virtual_stages: int) -> list[l
     """Interleaved 1F1B (Megatron-LM 2021, §2.2.2): v chunks per rank, 1F1B over (micro-batch, chunk) units.
 
     Rank r runs (v−1)·s + 2(p−r−1) forward units before its first backward (s = the first group's size): (v−1)·s
-    fill its earlier chunks for the first group, and 2(p−r−1) cover the round trip that the first backward of the
-    last chunk makes through the p−r−1 ranks after r, forward then backward. Then it alternates one forward and one
-    backward unit, then drains the backwards.
+    fill its earlier chunks for the first group, then the rank's last chunk needs the round trip through the ranks
+    after it. With free communication p−r−1 extra units would already give the formula's bubble; Megatron-LM's
+    2(p−r−1) leave slack, so that message latency does not stall the steady phase (`simulate(..., comm=c)` shows
+    the difference). Then the rank alternates one forward and one backward unit, then drains the backwards.
     """
     p, m, v = pp, microbatches, virtual_stages
     groups = interleaved_groups(p, m)
@@ -192,6 +193,14 @@ def build_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
     else:
         orders = interleaved_order(pp, microbatches, virtual_stages)
     return with_communication(orders, pp, virtual_stages)
+
+
+def forward_only(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Forwards only (evaluation): each rank runs its chunks in model order, all micro-batches through each."""
+    orders = [[Action(F, i, c) for c in rank_chunks(r, pp, virtual_stages) for i in range(microbatches)]
+              for r in range(pp)]
+    return [[a for a in order if a.kind in (F, SEND_F, RECV_F)]
+            for order in with_communication(orders, pp, virtual_stages)]
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -17,8 +17,9 @@ the same bytes (all-reduce = reduce-scatter + all-gather), and p times less acti
 every parameter name, so init values, checkpoints and parity compare by name; each shard is a slice of the full
 value the model was built with. The model then returns this rank's vocabulary shard of the logits; the loss is
 `vocab_parallel_lm_loss`. Replicated parameters whose gradient is a partial sum over the tp ranks (norm weights
-under sequence parallelism, key/value heads replicated because tp > n_kv_heads) get a gradient hook that sums it:
-f applied to the parameter itself.
+under sequence parallelism, key/value heads replicated because tp > n_kv_heads, MLA's latent down-projections)
+get a gradient hook that sums it: f applied to the parameter itself. MoE layers are not supported yet (one-line
+error; chapter 11 shards experts instead).
 
 Where each shard sits (`TPLayout`), full tensors from shards and gradient norms over shards are in
 `minidist.parallel.sharded` (re-exported here); the vocabulary split is in `minidist.parallel.vocab`.
@@ -36,6 +37,7 @@ from minidist.comm import Comm, ring_bytes_sent
 from minidist.model.attention import GroupedQueryAttention
 from minidist.model.config import ModelConfig
 from minidist.model.layers import GeluMLP, SwiGLU
+from minidist.model.mla import MultiHeadLatentAttention
 from minidist.parallel.sharded import (
     TPLayout,
     clip_tp_grad_norm_,
@@ -223,9 +225,6 @@ def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = No
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if tp == 1:
         return
-    if cfg.attention == "mla":
-        raise ValueError(f"tp={tp}: tensor parallelism of MLA attention is not supported yet; use attention='gqa' "
-                         "or tp=1")
     if cfg.moe.n_experts > 0:
         raise ValueError(f"tp={tp}: tensor parallelism of MoE layers is not supported yet; use a dense model, or "
                          "shard experts with expert parallelism (--ep) and tp=1")
@@ -233,7 +232,7 @@ def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = No
         raise ValueError(f"tp={tp} does not divide n_heads={cfg.n_heads} (attention is split by heads); pick tp "
                          f"from {_divisors(cfg.n_heads)}")
     kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
+    if cfg.attention == "gqa" and kv % tp and tp % kv:
         fits = [d for d in _divisors(cfg.n_heads) if kv % d == 0 or d % kv == 0]
         raise ValueError(f"tp={tp} neither divides n_kv_heads={kv} (split the kv heads) nor is a multiple of it "
                          f"(replicate them); pick tp from {fits}")
@@ -257,22 +256,34 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     vocab_head       region + colwise: the lm_head, whose output is this rank's slice of the logits
     sequence_norm    (sequence parallel) a norm on a sequence shard: its gradient is summed over tp
     sequence_slice   (sequence parallel) the learned position embedding, cut to this rank's positions
+    shared_in_region (MLA) replicated inside a region (the latent down-projections and their norms): each rank uses
+                     it for its own heads only, so its gradient is summed over tp
     """
     plan = {"tok_emb": "vocab_embedding"}
     if sequence_parallel and getattr(model, "pos_emb", None) is not None:
         plan["pos_emb"] = "sequence_slice"
     for i, block in enumerate(model.blocks):
         b = f"blocks.{i}"
-        if not isinstance(block.attn, GroupedQueryAttention):
+        if not isinstance(block.attn, (GroupedQueryAttention, MultiHeadLatentAttention)):
             raise ValueError(f"{b}.attn is {type(block.attn).__name__}; tensor parallelism supports "
-                             "GroupedQueryAttention only (MLA is not supported yet)")
+                             "GroupedQueryAttention and MultiHeadLatentAttention")
         if not isinstance(block.mlp, (SwiGLU, GeluMLP)):
             raise ValueError(f"{b}.mlp is {type(block.mlp).__name__}; tensor parallelism supports dense SwiGLU and "
                              "GELU MLPs only (MoE is not supported yet)")
         if sequence_parallel:
             plan[f"{b}.attn_norm"] = "sequence_norm"
-        plan |= {f"{b}.attn": "region", f"{b}.attn.wq": "colwise", f"{b}.attn.wk": "colwise_kv",
-                 f"{b}.attn.wv": "colwise_kv", f"{b}.attn.wo": "rowwise"}
+        if isinstance(block.attn, GroupedQueryAttention):
+            plan |= {f"{b}.attn": "region", f"{b}.attn.wq": "colwise", f"{b}.attn.wk": "colwise_kv",
+                     f"{b}.attn.wv": "colwise_kv", f"{b}.attn.wo": "rowwise"}
+        else:  # MLA: per-head weights split by heads, the latent path replicated
+            plan[f"{b}.attn"] = "region"
+            if hasattr(block.attn, "wq"):
+                plan[f"{b}.attn.wq"] = "colwise"
+            else:
+                plan |= {f"{b}.attn.wq_a": "shared_in_region", f"{b}.attn.q_norm": "shared_in_region",
+                         f"{b}.attn.wq_b": "colwise"}
+            plan |= {f"{b}.attn.wkv_a": "shared_in_region", f"{b}.attn.kv_norm": "shared_in_region",
+                     f"{b}.attn.wkv_b": "colwise", f"{b}.attn.wo": "rowwise"}
         if sequence_parallel:
             plan[f"{b}.mlp_norm"] = "sequence_norm"
         plan[f"{b}.mlp"] = "region"
@@ -336,7 +347,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
             model.set_submodule(name, new)
         elif style == "region":
             module.register_forward_pre_hook(enter_hook)
-        elif style == "sequence_norm":
+        elif style in ("sequence_norm", "shared_in_region"):
             for param in module.parameters():
                 _sum_grad_over_tp(param, tp_comm)
         elif style == "sequence_slice":
@@ -391,11 +402,18 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
     add("all_reduce", (n_tokens,), 4)  # loss: max of the logits
     add("all_reduce", (2, n_tokens), 4)  # loss: sum of exponentials and the target logit, together
     L = cfg.n_layers
-    if cfg.n_kv_heads % tp and tp > 1:  # replicated kv heads: wk and wv (and biases) summed over their replicas
+    if cfg.attention == "gqa" and cfg.n_kv_heads % tp and tp > 1:  # replicated kv heads: wk, wv (biases) summed
         kv_rows = cfg.n_kv_heads * cfg.head_dim
         add("all_reduce", (kv_rows, cfg.d_model), 4, 2 * L)
         if cfg.bias:
             add("all_reduce", (kv_rows,), 4, 2 * L)
+    if cfg.attention == "mla" and tp > 1:  # the latent path's weights, used by this rank's heads only
+        m = cfg.mla
+        add("all_reduce", (m.kv_lora_rank + m.qk_rope_head_dim, cfg.d_model), 4, L)  # wkv_a
+        add("all_reduce", (m.kv_lora_rank,), 4, L)  # kv_norm
+        if m.q_lora_rank is not None:
+            add("all_reduce", (m.q_lora_rank, cfg.d_model), 4, L)  # wq_a
+            add("all_reduce", (m.q_lora_rank,), 4, L)  # q_norm
     if sequence_parallel:  # norm gains (and biases), row-parallel biases, positions: seen on a sequence shard
         norm_params = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
         add("all_reduce", (cfg.d_model,), 4, (2 * L + 1) * norm_params)

@@ -147,6 +147,7 @@ class _ShardedGrads(DataParallel):
             start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
             if self.stage == 1:
                 bucket.grad = torch.zeros(bucket.padded, dtype=self.reduce_dtype, device=device)
+                bucket.grad_views = bucket.views(bucket.grad)
                 bucket.grad_shard = bucket.grad[start:stop]
             else:
                 bucket.grad = None
@@ -155,6 +156,7 @@ class _ShardedGrads(DataParallel):
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         if bucket.grad is None:
             bucket.grad = torch.zeros(bucket.padded, dtype=self.reduce_dtype, device=bucket.params[0].device)
+            bucket.grad_views = bucket.views(bucket.grad)
             self.transient.add(bucket.grad.nbytes)
         return bucket.grad
 
@@ -198,7 +200,7 @@ class _ShardedGrads(DataParallel):
         else:
             bucket.grad_shard.add_(bucket.reduced)
             self.transient.sub(bucket.grad.nbytes)
-            bucket.grad = None
+            bucket.grad, bucket.grad_views = None, []
         bucket.reduced = None
 
     def _after_backward(self) -> None:
@@ -239,6 +241,7 @@ class _ShardedParams:
             start, stop = unit.shard_range(rank, world)
             unit.param_shard = full[start:stop].clone()
             unit.full = full  # the gathered layout; its storage is resized to 0 while the unit is not gathered
+            unit.full_views = unit.views(full)
             full.untyped_storage().resize_(0)
             for param in unit.params:
                 param.data = torch.empty(0, dtype=dtype, device=device)
@@ -270,7 +273,7 @@ class _ShardedParams:
         self._start_gather(unit)
         unit.pending.wait()
         unit.pending = None
-        for param, view in zip(unit.params, unit.views(unit.full)):
+        for param, view in zip(unit.params, unit.full_views):
             param.data = view
         unit.gathered = True
 
@@ -452,7 +455,8 @@ class ZeroOptimizer:
             return norm.item()
         local = torch.zeros(1, dtype=torch.float32, device=self.buckets[0].grad_shard.device)
         for bucket in self.buckets:
-            local += bucket.grad_shard.float().pow(2).sum()
+            shard = bucket.grad_shard.float()
+            local += torch.dot(shard, shard)
         norm = self.comm.all_reduce(local, op="sum").sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
