@@ -46,16 +46,19 @@ from minidist.topology import ParallelDims, Topology
 # GPT-2's choices (GELU, LayerNorm with biases, learned positions, tied embeddings) on the parity shapes; with
 # n_kv_heads=2, tp=4 replicates the kv heads, so this covers every special gradient path.
 GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned", tie_embeddings=True)
+# Multi-head latent attention with query compression: heads split, the latent path replicated (chapter 05).
+MLA_CFG = CFG.replace(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                                qk_rope_head_dim=8, v_head_dim=16))
 STEPS = 3
 
 # (label, config name, dp, tp, sequence_parallel, steps); dp > 1 runs ZeRO stage 1 over dp_cp
 LAYOUTS = {
     2: [("tp2", "llama", 1, 2, False, STEPS), ("tp2+sp", "llama", 1, 2, True, STEPS),
-        ("gpt tp2+sp", "gpt", 1, 2, True, 2)],
+        ("gpt tp2+sp", "gpt", 1, 2, True, 2), ("mla tp2+sp", "mla", 1, 2, True, 2)],
     4: [("tp4", "llama", 1, 4, False, STEPS), ("tp4+sp", "llama", 1, 4, True, STEPS),
         ("dp2xtp2 zero1", "llama", 2, 2, False, STEPS), ("gpt tp4+sp", "gpt", 1, 4, True, 2)],
 }
-CONFIGS = {"llama": CFG, "gpt": GPT_CFG}
+CONFIGS = {"llama": CFG, "gpt": GPT_CFG, "mla": MLA_CFG}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def world_cases(world_size: int) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def reference_for(cfg_name: str, steps: int) -> dict:
     if cfg_name == "llama" and steps == STEPS:
         return reference_run()
@@ -228,7 +231,7 @@ def test_fp32_reduction_of_bf16_partial_sums_doubles_the_bytes() -> None:
     (dict(vocab_size=258), 4, None, False, r"tp=4 does not divide vocab_size=258 .*pad vocab_size to 260"),
     ({}, 2, 33, True, r"sequence parallel needs seq_len=33 divisible by tp=2"),
     ({}, 2, 33, False, None),
-    (dict(attention="mla"), 2, None, False, r"MLA attention is not supported yet"),
+    (dict(attention="mla"), 2, None, False, None),  # MLA: split by heads
     (dict(moe=dict(n_experts=4, top_k=2)), 2, None, False, r"MoE layers is not supported yet"),
     ({}, 0, None, False, r"tp must be a positive integer"),
 ])
