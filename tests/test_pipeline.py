@@ -34,6 +34,7 @@ from minidist.parallel.schedules import (
     bubble_formula,
     build_schedule,
     check_complete,
+    forward_only,
     simulate,
     with_communication,
 )
@@ -54,6 +55,9 @@ def test_every_schedule_is_complete_and_runs_without_deadlock() -> None:
         actions = build_schedule(schedule, p, m, v)
         check_complete(actions, p, m, v)
         simulate(actions)  # raises on a deadlock or on a compute action that runs before its input arrived
+        evaluation = simulate(forward_only(p, m, v))
+        assert sorted(e.action for e in evaluation.events if e.action.kind == F) == sorted(
+            Action(F, i, c) for i in range(m) for c in range(p * v))
 
 
 @pytest.mark.parametrize("t_f,t_b", [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)])
@@ -236,9 +240,14 @@ def _run_case(case: Case, topo: Topology) -> dict:
     elif case.data == "zero1":
         engine = optimizer = ZeroOptimizer(stage, optimizer, dp_comm, 1)
     out: dict = {"losses": [], "grads": {}, "coords": dict(topo.coords)}
+    # Evaluation (forwards only, any number of micro-batches) at the initial weights = the reference's first loss.
+    inputs, targets = parity.global_batch(0, case.batch)
+    eval_loss = torch.tensor([runner.evaluate(split_batch(inputs, targets, topo.coord("dp"), case.dp, 1))])
+    out["eval_loss"] = dp_comm.all_reduce(eval_loss, op="avg").item()
     for step in range(parity.STEPS):
         inputs, targets = parity.global_batch(step, case.batch)
         batches = split_batch(inputs, targets, topo.coord("dp"), case.dp, case.m)
+        sent_before = ledger.bytes("send", "pp")
         stats = runner.step(batches, no_sync=engine.no_sync if engine is not None else None)
         if engine is not None:
             engine.finish_grad_sync()
@@ -247,7 +256,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
         out["losses"].append(loss.item())
         if step == 0:
             out["peak_bytes"], out["peak_in_flight"] = stats.peak_activation_bytes, stats.peak_in_flight
-            out["send_bytes"] = ledger.bytes("send", "pp")
+            out["send_bytes"] = ledger.bytes("send", "pp") - sent_before
             if case.tp > 1:
                 out["grads"] = gather_full(stage, tp_comm, grads=True)
             elif case.data == "zero1":
@@ -311,6 +320,7 @@ def test_pipeline_matches_single_device(world: int, index: int) -> None:
     reference = _reference(case.layers, case.batch)
     for result in results:  # every rank reports the global mean loss
         parity.assert_losses_match(result["losses"], reference["losses"], case.name)
+        parity.assert_losses_match([result["eval_loss"]], reference["losses"][:1], case.name + " evaluate")
     # Gather the full gradient from the stages, by name; data-parallel replicas must hold identical copies.
     grads: dict[str, torch.Tensor] = {}
     for result in results:
@@ -349,3 +359,24 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
             assert afab["peak_bytes"] * min(p - r, m) == one_f_one_b["peak_bytes"] * m
             if m > p - r:
                 assert one_f_one_b["peak_bytes"] < afab["peak_bytes"]
+
+
+def test_moe_balancing_losses_flow_through_every_stage() -> None:
+    # Each chunk adds its own MoE layers' aux loss, scaled by 1/m like the LM loss, to its backward.
+    cfg = parity.CFG.replace(moe={"n_experts": 4, "top_k": 2})
+    inputs, targets = parity.global_batch(0)
+    m = 2
+    reference = build_model(cfg, seed=parity.SEED)
+    lm_total = aux_total = 0.0
+    for x, y in zip(inputs.chunk(m), targets.chunk(m)):
+        loss = lm_loss(reference(x), y)
+        aux = reference.aux_loss()
+        ((loss + aux) / m).backward()
+        lm_total, aux_total = lm_total + loss.item() / m, aux_total + aux.item() / m
+    stage = partition_model(build_model(cfg, seed=parity.SEED), 0, 1, 2)
+    stats = PipelineRunner(stage, Comm(), "interleaved", m, with_aux=True).step(
+        list(zip(inputs.chunk(m), targets.chunk(m))))
+    assert aux_total > 0
+    assert stats.loss == pytest.approx(lm_total, rel=1e-6) and stats.aux_loss == pytest.approx(aux_total, rel=1e-6)
+    parity.assert_grads_match({n: p.grad for n, p in stage.named_parameters()},
+                              {n: p.grad for n, p in reference.named_parameters()}, "moe pp1 v2")
