@@ -152,28 +152,11 @@ def compare_with_device_mesh(shapes: list[tuple[int, ...]]) -> list[dict]:
             sums[name] = (float(t), float(sum(topology.ranks(name))))
         out.append(dict(shape=shape, theirs=theirs, ours=ours, sums=sums, prev=topology.pp_prev_rank,
                         next=topology.pp_next_rank, pp_ranks=topology.ranks("pp"), pp=topology.coord("pp")))
-    return out
+    return out, _refuses_non_member()
 
 
-@pytest.mark.parametrize("world_size, shapes", [(8, SHAPES_8), (4, SHAPES_4)])
-def test_groups_equal_device_mesh_groups(world_size: int, shapes) -> None:
-    per_rank = run_ranks(compare_with_device_mesh, world_size, shapes, timeout=120)
-    for rank, results in enumerate(per_rank):
-        for r in results:
-            for name, (their_ranks, their_coord) in r["theirs"].items():
-                assert r["ours"][name] == (their_ranks, their_coord), (rank, r["shape"], name)
-            for name, (got, expected) in r["sums"].items():
-                assert got == expected, (rank, r["shape"], name)
-            pp_ranks, i = r["pp_ranks"], r["pp"]
-            assert r["prev"] == (pp_ranks[i - 1] if i > 0 else None)
-            assert r["next"] == (pp_ranks[i + 1] if i + 1 < len(pp_ranks) else None)
-
-
-def test_comm_refuses_a_group_this_rank_is_not_in() -> None:
-    assert all(run_ranks(_refuse_non_member, 2))
-
-
-def _refuse_non_member() -> bool:
+def _refuses_non_member() -> bool:
+    """A Comm over a group this rank is not in is refused with a clear message."""
     group = dist.new_group([0])
     if dist.get_rank() == 0:
         return Comm(group).size == 1
@@ -182,3 +165,18 @@ def _refuse_non_member() -> bool:
     except ValueError as error:
         return "not a member" in str(error)
     return False
+
+
+@pytest.mark.parametrize("world_size, shapes", [(8, SHAPES_8), (4, SHAPES_4)])
+def test_groups_equal_device_mesh_groups(world_size: int, shapes) -> None:
+    per_rank = run_ranks(compare_with_device_mesh, world_size, shapes, timeout=120)
+    assert all(refused for _, refused in per_rank), "a Comm over a group this rank is not in must be refused"
+    for rank, (results, _) in enumerate(per_rank):
+        for r in results:
+            for name, (their_ranks, their_coord) in r["theirs"].items():
+                assert r["ours"][name] == (their_ranks, their_coord), (rank, r["shape"], name)
+            for name, (got, expected) in r["sums"].items():
+                assert got == expected, (rank, r["shape"], name)
+            pp_ranks, i = r["pp_ranks"], r["pp"]
+            assert r["prev"] == (pp_ranks[i - 1] if i > 0 else None)
+            assert r["next"] == (pp_ranks[i + 1] if i + 1 < len(pp_ranks) else None)
