@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minidist.comm import Comm, Ledger
+
 GRID_ORDER = ("pp", "dp", "cp", "tp")  # slowest to fastest varying
 GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "world")
 
@@ -183,10 +185,8 @@ class Topology:
         self._check(name)
         return self.coords[name]
 
-    def comm(self, name: str, ledger=None):
-        """A `minidist.comm.Comm` over this rank's `name` group, recording into `ledger`, labelled `name`."""
-        from minidist.comm import Comm  # comm imports nothing from here; the local import keeps layers one-way
-
+    def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
+        """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
         return Comm(self.group(name), ledger, name=name)
 
     @property
