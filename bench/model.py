@@ -1,6 +1,6 @@
 """Training-step speed of the minidist model against Hugging Face's LlamaForCausalLM of the same architecture.
 
-    .venv/bin/python bench/model.py [--preset small] [--batch 8] [--seq 256] [--steps 10] [--warmup 3]
+    .venv/bin/python bench/model.py [--preset small] [--batch 8] [--seq 256] [--steps 10] [--warmup 3] [--threads N]
 
 Both models compute the same function: the reference is built from a LlamaConfig with our shapes (no download),
 our weights are copied into it, and the logits must agree before anything is timed. Each step is forward +
@@ -81,7 +81,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cfg = get_preset(args.preset)
     ours = build_model(cfg, seed=args.seed)

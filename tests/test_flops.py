@@ -147,7 +147,7 @@ def counted_flops(model, tokens, backward=True):
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", ["tiny", "tiny-gpt2-style"])  # GQA/SwiGLU/RMSNorm and MHA/GELU/LayerNorm/tied
 def test_flops_per_token_equals_flop_counter_on_forward_and_backward(name):
     cfg = VARIANTS[name].replace(n_layers=2)
     model = build_model(cfg)
