@@ -181,7 +181,7 @@ def test_flops_per_token_is_6N_plus_palm_attention_term():
 
 
 def test_megatron_formula_for_gpt3():
-    """Narayanan et al. 2021, eq. 3: F = 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, with activation
+    """Narayanan et al. 2021 (Megatron-LM at scale): F = 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, with activation
     recomputation (one extra forward of the transformer layers, not of the output layer). Per token and without
     recomputation it is 72·l·h²·(1 + s/6h + V/12lh): exactly our flops_per_token for a GPT-3 shaped model."""
     cfg = get_preset("gpt3-175b")
