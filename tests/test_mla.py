@@ -45,14 +45,14 @@ def paper_equations(attn, x, rope, layout):
     rms = lambda z, g: z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * g  # noqa: E731
     w_dkv, w_kr = m.wkv_a.weight[:d_c], m.wkv_a.weight[d_c:]
     c_kv = rms(x @ w_dkv.T, m.kv_norm.weight)  # eq. 9
-    k_r = apply_rotary(x @ w_kr.T, *rope, layout)  # eq. 14, one head
+    k_r = apply_rotary(x @ w_kr.T, *rope, layout)  # eqs. 14–15, one head
     q_src = x if hasattr(m, "wq") else rms(x @ m.wq_a.weight.T, m.q_norm.weight)  # eq. 12
     w_q = (m.wq if hasattr(m, "wq") else m.wq_b).weight.view(H, nope + rdim, -1)
     w_b = m.wkv_b.weight.view(H, nope + vdim, d_c)
     outs = []
     for h in range(H):
         q_c = q_src @ w_q[h, :nope].T  # eq. 13
-        q_r = apply_rotary(q_src @ w_q[h, nope:].T, *rope, layout)  # eq. 15
+        q_r = apply_rotary(q_src @ w_q[h, nope:].T, *rope, layout)  # eqs. 14–15
         k_c = c_kv @ w_b[h, :nope].T  # eq. 10
         v_c = c_kv @ w_b[h, nope:].T  # eq. 11
         logits = (q_c @ k_c.transpose(-1, -2) + q_r @ k_r.transpose(-1, -2)) * m.softmax_scale  # eqs. 16–18

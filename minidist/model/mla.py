@@ -4,9 +4,9 @@ Keys and values of all heads are rebuilt from one small latent per token, so a d
 
     c_KV = RMSNorm(W_DKV h)                    [kv_lora_rank]                    (eq. 9; kv_norm as in the release)
     k_C, v_C = W_UK c_KV, W_UV c_KV            [n_heads · qk_nope], [n_heads · v] (eqs. 10–11)
-    k_R = RoPE(W_KR h)                         [qk_rope], ONE head shared by all (eq. 14)
+    k_R = RoPE(W_KR h)                         [qk_rope], ONE head shared by all (eqs. 14–15)
     q_C = W_UQ RMSNorm(W_DQ h)  (or W_Q h)     [n_heads · qk_nope]              (eqs. 12–13)
-    q_R = RoPE(W_QR ...)                       [n_heads · qk_rope]              (eq. 15)
+    q_R = RoPE(W_QR ...)                       [n_heads · qk_rope]              (eqs. 14–15)
     o_h = softmax([q_C,h; q_R,h]·[k_C,h; k_R] / √(qk_nope + qk_rope)) v_C,h       (eqs. 16–18)
     u = W_O [o_1; ...; o_H]                                                       (eq. 19)
 
@@ -164,7 +164,7 @@ class MultiHeadLatentAttention(nn.Module):
 # Attention shapes of released DeepSeek models, for KV-cache arithmetic (chapter 05). Only the attention-related
 # fields: the MoE feed-forward of these models is chapter 06's. Values from the released config.json files.
 MLA_REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
-    # DeepSeek-AI 2024, "DeepSeek-V2" (236B total / 21B active), §2.1 and §3.1.2.
+    # DeepSeek-AI 2024, "DeepSeek-V2" (236B total / 21B active), §2.1.
     "deepseek-v2": dict(vocab_size=102400, d_model=5120, n_layers=60, n_heads=128, max_seq_len=163840,
                         attention="mla",
                         mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -176,7 +176,7 @@ MLA_REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
                              mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
                                       qk_rope_head_dim=64, v_head_dim=128),
                              rope_scaling=dict(kind="yarn", factor=40.0, original_max_seq_len=4096)),
-    # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (671B / 37B active), §4.2.
+    # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (671B / 37B active).
     "deepseek-v3": dict(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, max_seq_len=163840,
                         attention="mla",
                         mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

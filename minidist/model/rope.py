@@ -11,10 +11,10 @@ rotation up to a fixed permutation of the head dimensions (`interleaved_to_half_
 Context extension changes the frequencies so that positions beyond the trained context L map onto angles the
 model has seen, with s = L' / L the extension factor:
 - position interpolation (Chen et al. 2023, "Extending Context Window of Large Language Models via Positional
-  Interpolation", eq. 4): m → m/s, i.e. every θ_i → θ_i / s (`linear_frequencies`);
+  Interpolation"): m → m/s, i.e. every θ_i → θ_i / s (`linear_frequencies`);
 - NTK-aware scaling (bloc97 2023, reddit r/LocalLLaMA post "NTK-Aware Scaled RoPE"): base → base·s^(d/(d−2)),
   which leaves the fastest pair untouched and divides the slowest one by s (`ntk_frequencies`);
-- YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", eqs. 17–22):
+- YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", §3.2 eqs. 18–19, §3.4):
   NTK-by-parts (keep pairs that turn many times in L, interpolate pairs that turn less than once, ramp between)
   plus an attention temperature √(1/t) = 0.1·ln(s) + 1 applied to both q and k (`yarn_frequencies`).
 """
@@ -107,7 +107,7 @@ def interleaved_to_half_permutation(head_dim: int) -> torch.Tensor:
 
 
 def linear_frequencies(head_dim: int, base: float, factor: float) -> torch.Tensor:
-    """Position interpolation: θ_i / s, the same as feeding positions m / s (Chen et al. 2023, eq. 4)."""
+    """Position interpolation: θ_i / s, the same as feeding positions m / s (Chen et al. 2023)."""
     _check_head_dim(head_dim)
     _check_factor(factor)
     return (_inv_freq64(head_dim, base) / factor).float()
@@ -128,7 +128,7 @@ def ntk_frequencies(head_dim: int, base: float, factor: float) -> torch.Tensor:
 
 
 def yarn_attention_scale(factor: float) -> float:
-    """√(1/t) = 0.1·ln(s) + 1 (YaRN eq. 22): the factor applied to both q and k, so logits scale by 1/t."""
+    """√(1/t) = 0.1·ln(s) + 1 (YaRN §3.4): the factor applied to both q and k, so logits scale by 1/t."""
     _check_factor(factor)
     return 0.1 * math.log(factor) + 1.0
 
@@ -162,7 +162,7 @@ def yarn_ramp(low: float, high: float, n: int) -> torch.Tensor:
 
 def yarn_frequencies(head_dim: int, base: float, factor: float, original_max_position: int,
                      beta_fast: float = 32.0, beta_slow: float = 1.0) -> tuple[torch.Tensor, float]:
-    """YaRN: NTK-by-parts frequencies and the attention scale √(1/t) (Peng et al. 2023, eqs. 17–22).
+    """YaRN: NTK-by-parts frequencies and the attention scale √(1/t) (Peng et al. 2023, §3.2 eqs. 18–19, §3.4).
 
     θ'_i = (1 − γ_i)·θ_i / s + γ_i·θ_i with γ_i = 1 − ramp(i) over the pair index between the correction dims
     of beta_fast and beta_slow (the reference implementations' convention; the paper writes the ramp linearly
