@@ -194,13 +194,14 @@ class PipelineRunner:
     `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
     are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
     under bf16 autocast). Gradients accumulate into the stage's `.grad`s; the caller reduces them over data-parallel
-    replicas, clips and steps the optimizer.
+    replicas, clips and steps the optimizer. Each receive is posted when the rank reaches the RECV action
+    `recv_ahead` receives before it (0: only when it needs it), so the message can arrive while the rank computes.
     """
 
     def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
                  virtual_stages: int | None = None, *, activation_dtype: torch.dtype = torch.float32,
                  activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
-                 measure_memory: bool = False, with_aux: bool = False) -> None:
+                 measure_memory: bool = False, with_aux: bool = False, recv_ahead: int = 1) -> None:
         v = stage.virtual_stages if virtual_stages is None else virtual_stages
         if v != stage.virtual_stages or comm.size != stage.pp or comm.rank != stage.pp_rank:
             raise ValueError(f"the stage ({stage.pp_rank} of pp={stage.pp}, virtual_stages={stage.virtual_stages}) "
@@ -213,6 +214,7 @@ class PipelineRunner:
         self.activation_shape = activation_shape or (lambda tokens: (*tokens.shape, d_model))
         self.saved = _SavedBytes(stage.parameters()) if measure_memory else None
         self.with_aux = with_aux
+        self.recv_ahead = recv_ahead
 
     # -- point to point, tagged by message so that any order of posting matches up ---------------------------------
 
@@ -230,13 +232,21 @@ class PipelineRunner:
         pending.append(dist.isend(tensor.contiguous(), dst=self.comm.global_rank(peer), group=self.comm.group,
                                   tag=tag))
 
-    def _recv(self, shape: tuple[int, ...], peer: int, tag: int, mailbox: dict) -> torch.Tensor:
+    def _message(self, a: Action, batches: list) -> tuple[tuple[int, ...], int, int]:
+        """(buffer shape, peer, tag) of the message a RECV_F / RECV_B action receives."""
+        shape = self.activation_shape(batches[a.mb][0])
+        if a.kind == RECV_F:
+            return shape, chunk_rank(a.chunk - 1, self.pp), self._tag(F, a.mb, a.chunk)
+        return shape, chunk_rank(a.chunk + 1, self.pp), self._tag(B, a.mb, a.chunk)
+
+    def _post_recv(self, a: Action, batches: list) -> tuple:
+        """Start receiving the message of `a`: (buffer, work), or (tag, None) for a hand-over on this rank."""
+        shape, peer, tag = self._message(a, batches)
         if peer == self.comm.rank:
-            return mailbox.pop(tag)
+            return tag, None
         self.comm.ledger.record("recv", self.comm.name, 0)
         buffer = torch.empty(shape, dtype=self.activation_dtype)
-        dist.irecv(buffer, src=self.comm.global_rank(peer), group=self.comm.group, tag=tag).wait()
-        return buffer
+        return buffer, dist.irecv(buffer, src=self.comm.global_rank(peer), group=self.comm.group, tag=tag)
 
     # -- one step --------------------------------------------------------------------------------------------------
 
@@ -279,13 +289,29 @@ class PipelineRunner:
         stats = StepStats(loss=0.0)
         live = 0
         positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
+        # Receives are posted `recv_ahead` RECV actions early, so a message can travel while this rank computes.
+        recv_at = [i for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)]
+        order_of = {i: k for k, i in enumerate(recv_at)}
+        posted: dict[int, tuple] = {}
+
+        def receive(index: int) -> torch.Tensor:
+            k = order_of[index]
+            for i in recv_at[k:k + 1 + self.recv_ahead]:
+                if i not in posted:
+                    posted[i] = self._post_recv(actions[i], batches)
+            buffer, work = posted.pop(index)
+            if work is None:  # handed over on this rank: `buffer` is the tag
+                return mailbox.pop(buffer)
+            work.wait()
+            return buffer
+
         last_backward = max((i for i, a in enumerate(actions) if a.kind == B), default=-1)
         for index, a in enumerate(actions):
             start = time.perf_counter()
             key = (a.mb, a.chunk)
             tokens, targets = batches[a.mb]
             if a.kind == RECV_F:
-                x = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk - 1, p), self._tag(F, *key), mailbox)
+                x = receive(index)
                 inputs[key] = x.requires_grad_(torch.is_grad_enabled())
             elif a.kind == F:
                 x = tokens if a.chunk == 0 else inputs[key]
@@ -306,8 +332,7 @@ class PipelineRunner:
                 self._send(outputs[key].detach(), chunk_rank(a.chunk + 1, p), self._tag(F, a.mb, a.chunk + 1),
                            mailbox, pending)
             elif a.kind == RECV_B:
-                out_grads[key] = self._recv(self.activation_shape(tokens), chunk_rank(a.chunk + 1, p),
-                                            self._tag(B, *key), mailbox)
+                out_grads[key] = receive(index)
             elif a.kind == B:
                 out = outputs.pop(key)
                 tensors = [out * scale] if a.chunk == last else [out]
