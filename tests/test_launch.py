@@ -33,8 +33,7 @@ def hang_on(bad_rank: int) -> int:
 
 def exit_on(bad_rank: int) -> int:
     if dist.get_rank() == bad_rank:
-        os._exit(3)
-    time.sleep(5)  # outlive the dying rank, so that its death is what gets reported
+        os._exit(3)  # dies without reporting anything; the healthy rank returns normally
     return dist.get_rank()
 
 
@@ -54,10 +53,10 @@ def test_an_exception_names_its_rank() -> None:
 
 
 def test_a_hanging_rank_times_out_and_is_named() -> None:
-    timeout = 4
+    timeout = 2
     run_ranks(report, 1, 1.0)  # start the launcher's forkserver first: its start-up is not part of the timeout
     start = time.monotonic()
-    with pytest.raises(LaunchTimeout, match=r"timed out after 4 s; rank\(s\) \[.*\] had not finished") as info:
+    with pytest.raises(LaunchTimeout, match=r"timed out after 2 s; rank\(s\) \[.*\] had not finished") as info:
         run_ranks(hang_on, 3, 1, timeout=timeout)
     assert time.monotonic() - start < timeout + 5  # the timeout, plus the time to kill the ranks
     unfinished = re.search(r"rank\(s\) \[(.*)\]", str(info.value)).group(1)
