@@ -22,6 +22,15 @@ from minidist.model.rope import apply_rotary, rope_cos_sin, rope_for_config
 MLA = dict(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and OpenMP threads spin badly when the CPU is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def mla_cfg(q_lora_rank=None, scaling=None, layout="half", **kw):
     return get_preset("tiny", d_model=64, n_heads=4, n_kv_heads=4, attention="mla", rope_layout=layout,
                       mla=dict(MLA, q_lora_rank=q_lora_rank), rope_scaling=scaling or dict(kind="none"), **kw)
@@ -151,7 +160,7 @@ def test_bad_mla_config_one_line_error(bad):
     assert "\n" not in str(err.value)
 
 
-def test_tiny_mla_model_trains():
+def test_tiny_mla_model_trains(one_thread):
     torch.manual_seed(0)
     cfg = mla_cfg(16, n_layers=2, d_ff=128)
     model = build_model(cfg, seed=0)

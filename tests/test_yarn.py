@@ -23,6 +23,15 @@ from minidist.model.rope import (
 )
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and OpenMP threads spin badly when the CPU is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def yarn_by_hand(d: int, base: float, s: float, L: int, beta_fast: float = 32.0, beta_slow: float = 1.0):
     """Peng et al. 2023 §3.2 with the reference code's ramp, written out from the formulas in numpy.
 
@@ -136,7 +145,7 @@ def test_bad_function_input_one_line_error():
         assert "\n" not in str(err.value)
 
 
-def test_yarn_model_trains_and_runs_past_its_context():
+def test_yarn_model_trains_and_runs_past_its_context(one_thread):
     torch.manual_seed(0)
     cfg = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                      rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16))
