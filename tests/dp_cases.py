@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import shutil
+import tempfile
+from pathlib import Path
 
 import parity
 import torch
@@ -199,17 +202,53 @@ def _bf16_case(topo: Topology) -> dict:
     return out
 
 
-def run_all(world: int) -> dict:
+def trainer_config(out: str, **changes):
+    """A few steps of `minidist.train` on a small model (the same settings for every layout)."""
+    from minidist.train import TrainConfig
+
+    settings = dict(model="tiny", model_overrides=dict(d_model=64, n_layers=2, d_ff=128), max_bytes=300_000,
+                    batch_size=8, seq_len=32, microbatches=2, steps=4, warmup_steps=1, eval_every=0, eval_batches=1,
+                    log_every=100, ckpt_every=2, out=out, seed=0, peak_flops=1e12, plot=False)
+    return TrainConfig(**{**settings, **changes})
+
+
+def _trainer_cases(topo: Topology, out_root: str) -> dict:
+    """`minidist.train.train` at dp=N for every ZeRO stage; then resume from the step-2 checkpoint and redo 3-4."""
+    from minidist import checkpoint, train
+
+    out = {}
+    for stage in range(4):
+        root = Path(out_root) / f"zero{stage}"
+        first = train.train(trainer_config(str(root), dp=topo.size("dp_cp"), zero=stage))
+        # Pretend the run died after the step-2 checkpoint: drop the later one, then resume.
+        dist.barrier()
+        if dist.get_rank() == 0:
+            ckpts = root / "checkpoints"
+            shutil.rmtree(ckpts / checkpoint.step_dir_name(4))
+            (ckpts / checkpoint.LATEST).write_text(checkpoint.step_dir_name(2) + "\n")
+        dist.barrier()
+        again = train.train(trainer_config(str(root), dp=topo.size("dp_cp"), zero=stage, resume=True))
+        out[stage] = {"losses": first["losses"], "resumed_losses": again["losses"], "hash": first["param_hash"],
+                      "resumed_hash": again["param_hash"], "resumed_from": again["resumed_from"]}
+    return out
+
+
+def run_all(world: int, out_root: str) -> dict:
     """The rank function: every case in this process's rank; returns {case name: result}."""
     topo = Topology(ParallelDims(dp=world), dist.get_rank(), dist.get_world_size())
     results = {name: _train(kind, stage, m, topo) for name, (kind, stage, m) in CASES.items()}
     if world == 2:
         results.update({f"checkpoint_zero{s}": _checkpoint_case(s, topo) for s in range(4)})
         results["bf16"] = _bf16_case(topo)
+        results["trainer"] = _trainer_cases(topo, out_root)
     return results
 
 
 @functools.cache
 def results(world: int) -> list[dict]:
     """Per-rank results of `run_all(world)` (one launch per world size per test session)."""
-    return run_ranks(run_all, world, world, timeout=300, threads_per_rank=1)
+    out_root = tempfile.mkdtemp(prefix=f"minidist_dp{world}_")
+    try:
+        return run_ranks(run_all, world, world, out_root, timeout=300, threads_per_rank=1)
+    finally:
+        shutil.rmtree(out_root, ignore_errors=True)

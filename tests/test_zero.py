@@ -133,3 +133,19 @@ def test_checkpoint_resume_is_exact(stage: int) -> None:
         assert out["first"] == out["again"]
         assert out["same_params"]
         assert out["refused"].startswith("this ZeRO state was saved with layout stage") and "\n" not in out["refused"]
+
+
+def test_trainer_matches_one_process_and_resumes_exactly(tmp_path) -> None:
+    """`minidist.train` at dp=2, ZeRO 0-3, 2 micro-batches: the logged losses are the single-process run's; a run
+    resumed from its step-2 checkpoint redoes steps 3-4 bit for bit, and the replicas agree on the parameters."""
+    from minidist import train
+
+    single = train.train(dp_cases.trainer_config(str(tmp_path / "single"), ckpt_every=0))
+    for stage in STAGES:
+        per_rank = [r["trainer"][stage] for r in dp_cases.results(2)]
+        for out in per_rank:
+            parity.assert_losses_match(out["losses"], single["losses"], f"trainer dp=2 zero={stage}")
+            assert out["resumed_from"] == 2
+            assert out["resumed_losses"] == out["losses"][2:]
+            assert out["resumed_hash"] == out["hash"]
+        assert len({out["hash"] for out in per_rank}) == 1

@@ -518,10 +518,11 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value by name (for stage 3 gathered from the shards)."""
+        """Every parameter's full value by name, in `model.named_parameters()` order (stage 3: from the shards)."""
         if self.stage != 3:
             return {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        return self._gather_by_name(lambda b: b.param_shard)
+        gathered = self._gather_by_name(lambda b: b.param_shard)
+        return {n: gathered[n] if n in gathered else p.detach().clone() for n, p in self.model.named_parameters()}
 
     def _gather_by_name(self, shard_of) -> dict[str, torch.Tensor]:
         out = {}
