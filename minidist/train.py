@@ -333,7 +333,6 @@ class DistEnv:
 
 # What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
 NOT_AVAILABLE_YET = {
-    "dp": ("data parallelism", "07"),
     "tp": ("tensor parallelism", "08"),
     "pp": ("pipeline parallelism", "09"),
     "cp": ("context parallelism", "10"),
@@ -353,8 +352,6 @@ def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     for name, (what, chapter) in NOT_AVAILABLE_YET.items():
         if getattr(dims, name) > 1:
             raise ConfigError(f"--{name} {getattr(dims, name)}: {what} is not available yet (chapter {chapter})")
-    if cfg.zero > 0:
-        raise ConfigError(f"--zero {cfg.zero}: ZeRO sharding is not available yet (chapter 07)")
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
                           f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
@@ -427,17 +424,20 @@ class StepResult:
 
 
 def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     autocast: Callable = contextlib.nullcontext, with_aux: bool = False) -> tuple[float, float]:
+                     autocast: Callable = contextlib.nullcontext, with_aux: bool = False,
+                     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                     ) -> tuple[float, float]:
     """Accumulate the gradient of the mean loss over the micro-batches; return (mean LM loss, mean aux loss).
 
     Every micro-batch has the same number of tokens, so the mean over the global batch is the mean of the
     micro-batch means: scaling each micro-batch loss by 1/M before backward makes the summed gradients equal the
-    full-batch gradient (forgetting the 1/M gives an M-times too large gradient).
+    full-batch gradient (forgetting the 1/M gives an M-times too large gradient). Data parallelism (chapter 07)
+    communicates once per step: the backward passes of all micro-batches but the last run inside `no_sync()`.
     """
     scale = 1.0 / len(batches)
     total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
     aux_total = torch.zeros_like(total)
-    for inputs, targets in batches:
+    for i, (inputs, targets) in enumerate(batches):
         with autocast():
             logits = model(inputs)
         loss = lm_loss(logits, targets)  # cross-entropy in fp32, whatever the autocast dtype
@@ -447,7 +447,8 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
             aux = model.aux_loss().float()
             objective = objective + aux
             aux_total += aux.detach()
-        (objective * scale).backward()
+        with no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            (objective * scale).backward()
         total += loss.detach()
     return (total * scale).item(), (aux_total * scale).item()
 
@@ -465,8 +466,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
                *, step: int, grad_clip: float, autocast: Callable = contextlib.nullcontext,
                with_aux: bool = False) -> StepResult:
     """One optimizer step on the micro-batches of one global batch. Stops (TrainingDiverged) before a bad update."""
-    loss, aux = forward_backward(model, batches, autocast, with_aux)
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    loss, aux = forward_backward(model, batches, autocast, with_aux,
+                                 no_sync=getattr(optimizer, "no_sync", contextlib.nullcontext))
+    if hasattr(optimizer, "clip_grad_norm"):  # chapter 07: the norm over every rank's gradient shard
+        grad_norm = optimizer.clip_grad_norm(grad_clip)
+    else:
+        grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     health.check_finite(step, loss, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -490,11 +495,14 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
 def global_mean(value: float, topo: Topology) -> float:
     """The mean of a per-replica number over the data-parallel replicas: the logged loss is the global mean.
 
-    With one replica it is the value itself; chapter 07 all-reduces it over the dp_cp group.
+    With one replica it is the value itself; otherwise an all-reduce over the dp_cp group averages it.
     """
-    if topo.size("dp_cp") > 1:
-        raise NotImplementedError("averaging over data-parallel replicas arrives with chapter 07")
-    return value
+    if topo.size("dp_cp") == 1:
+        return value
+    device = "cuda" if dist.get_backend(topo.group("dp_cp")) == "nccl" else "cpu"
+    mean = torch.tensor([value], dtype=torch.float64, device=device)
+    topo.comm("dp_cp").all_reduce(mean, op="avg")
+    return mean.item()
 
 
 # ================================================================================================================
@@ -560,9 +568,20 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
               schedule=_schedule(cfg), sampler=sampler, val_batches=validation_batches(corpus, cfg, device),
               autocast=autocast_for(cfg.dtype, device), out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus)
+    run.optimizer = data_parallel(run.model, run.optimizer, topo, cfg.zero)  # after describe_run: ZeRO-3 frees
     if run.is_main:
         run.out.mkdir(parents=True, exist_ok=True)
     return run
+
+
+def data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, zero: int) -> Any:
+    """Chapter 07: average gradients over the dp_cp group, with the optimizer state (1), gradients (2) and
+    parameters (3) sharded by ZeRO. One replica without ZeRO: the optimizer itself."""
+    if topo.size("dp_cp") == 1 and zero == 0:
+        return optimizer
+    from minidist.parallel import ZeroOptimizer
+
+    return ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=zero)
 
 
 def load_data(cfg: TrainConfig) -> Corpus:
@@ -827,6 +846,13 @@ def progress_line(record: dict[str, Any], steps: int, clock: Clock) -> str:
     return line
 
 
+def _parameters(run: Run) -> Iterable[torch.Tensor]:
+    """The full parameters in model order (ZeRO-3 gathers them from the shards: collective)."""
+    if hasattr(run.optimizer, "full_parameters"):
+        return run.optimizer.full_parameters().values()
+    return run.model.parameters()
+
+
 def finish(run: Run, summary: dict[str, Any], clock: Clock) -> dict[str, Any]:
     """The loss curve, the final figures in run.json, one closing line; returns the summary."""
     info = run.info
@@ -836,7 +862,7 @@ def finish(run: Run, summary: dict[str, Any], clock: Clock) -> dict[str, Any]:
         final_val_loss=summary["val_losses"][max(summary["val_losses"])] if summary["val_losses"] else None,
         mean_tokens_per_s=_mean_after_first(summary["tokens_per_s"]), mean_mfu=_mean_after_first(summary["mfu"]),
         resumed_from=info.get("resumed_from"),
-        param_hash=health.replica_hash(run.model.parameters()),  # replicas of one run must agree on it
+        param_hash=health.replica_hash(_parameters(run)),  # replicas of one run must agree on it
     )
     if not run.is_main:
         return summary

@@ -97,10 +97,10 @@ def test_parallel_flags_checked_against_world_size():
         train.resolve_parallel_dims(cfg, world_size=2)
     with pytest.raises(ConfigError, match="does not fit 3 ranks"):
         train.resolve_parallel_dims(cfg, world_size=3)
-    with pytest.raises(ConfigError, match="data parallelism is not available yet"):
-        train.resolve_parallel_dims(TrainConfig(), world_size=4)  # dp defaults to the world size
-    with pytest.raises(ConfigError, match="ZeRO"):
-        train.resolve_parallel_dims(TrainConfig(zero=1), world_size=1)
+    # Chapter 07: dp defaults to the world size; the global batch must split into dp x microbatches.
+    assert train.resolve_parallel_dims(TrainConfig(zero=3), world_size=4) == train.ParallelDims(dp=4)
+    with pytest.raises(ConfigError, match=r"not divisible by dp\*microbatches = 4\*1"):
+        train.resolve_parallel_dims(TrainConfig(batch_size=6), world_size=4)
     assert train.resolve_parallel_dims(TrainConfig(), world_size=1) == train.ParallelDims()
 
 
