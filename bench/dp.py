@@ -25,6 +25,7 @@ Last line: JSON with the median step times, the peaks, and the ratios
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import os
@@ -44,6 +45,20 @@ from minidist.topology import ParallelDims, Topology
 
 VARIANTS = ("minidist_zero0", "ddp", "minidist_zero3", "fsdp2", "minidist_zero1", "minidist_zero2")
 LR, CLIP = 1e-3, 1.0
+
+
+def _malloc_returns_memory() -> None:
+    """Make glibc serve allocations of 64 KiB and more with mmap, so that freed tensors leave the RSS at once.
+
+    By default glibc raises its mmap threshold after large frees and keeps the freed pages in its heap: the RSS then
+    remembers old allocations, and a peak would measure allocator history rather than what a variant holds.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic adjustment)
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except OSError:  # not glibc: RSS peaks include cached pages
+        pass
 
 
 def _rss_bytes() -> int:
@@ -101,7 +116,7 @@ class _Variant:
             raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
         self.model = model
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], before_zero_grad=None) -> float:
         start = time.perf_counter()
         for x, y in batches:
             (lm_loss(self.model(x), y) / len(batches)).backward()
@@ -110,11 +125,19 @@ class _Variant:
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.optimizer.step()
+        if before_zero_grad is not None:
+            before_zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    def state_bytes(self) -> int:
-        """Parameters, gradients and optimizer state this rank holds (DTensor: its local shard)."""
+    def measure_states(self) -> None:
+        """Parameters, gradients and optimizer state this rank holds after the update (DTensor: its local shard).
+
+        DDP's own gradient buckets are invisible from here (not referenced by any parameter): add 4 bytes/param.
+        """
+        self.states = self._state_bytes()
+
+    def _state_bytes(self) -> int:
         if self.zero is not None:
             return sum(self.zero.memory_bytes().values())
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
@@ -152,6 +175,7 @@ def rank_step_times(preset: str, batch: int, seq: int, steps: int, warmup: int, 
 
 def rank_memory(preset: str, batch: int, seq: int, steps: int, variant: str) -> dict:
     """Peak RSS above the pre-model baseline during `steps` steps of one variant, and its model-state bytes."""
+    _malloc_returns_memory()
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology(ParallelDims(dp=world), rank, world)
     sampler = _sampler(batch, seq)
@@ -160,8 +184,8 @@ def rank_memory(preset: str, batch: int, seq: int, steps: int, variant: str) -> 
     monitor = _PeakRSS()
     run = _Variant(variant, preset, topo)
     for b in batches:
-        run.step(b)
-    states = run.state_bytes()
+        run.step(b, before_zero_grad=run.measure_states)
+    states = run.states
     return {"peak_rss": monitor.stop() - baseline, "state_bytes": states, "numel": run.numel}
 
 

@@ -15,6 +15,15 @@ from minidist.model import build_model, lm_loss
 from minidist.parallel import DataParallel, assign_buckets, check_batch_split, split_batch
 
 WORLDS = (2, 4)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny single-process training runs faster (and steadier on a shared CPU) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 DP_CASES = ["naive_m1", "naive_m2", "bucketed_m1", "bucketed_m2", "overlap_m1", "overlap_m2"]
 
 
@@ -123,7 +132,7 @@ def test_buckets_respect_the_cap_and_reverse_order() -> None:
         assert b.padded % 4 == 0 and 0 <= b.padded - b.numel < 4
 
 
-def test_single_rank_data_parallel_is_plain_training() -> None:
+def test_single_rank_data_parallel_is_plain_training(one_thread) -> None:
     """World size 1 (no process group): DataParallel is the identity on gradients, accumulation included."""
     model, twin = build_model(parity.CFG, seed=3), build_model(parity.CFG, seed=3)
     dp = DataParallel(model, Comm(), bucket_bytes=32 * 1024)

@@ -10,13 +10,24 @@ from __future__ import annotations
 import dp_cases
 import parity
 import pytest
+import torch
 
-from minidist.comm import ring_bytes_sent
-from minidist.parallel import zero_comm_bytes, zero_memory_bytes
+from minidist.comm import Comm, ring_bytes_sent
+from minidist.model import build_model, lm_loss
+from minidist.parallel import ZeroOptimizer, zero_comm_bytes, zero_memory_bytes
 
 WORLDS = (2, 4)
 STAGES = (0, 1, 2, 3)
 MICRO = (1, 2)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny single-process training runs faster (and steadier on a shared CPU) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def mean_losses(world: int, case: str) -> list[float]:
@@ -135,7 +146,7 @@ def test_checkpoint_resume_is_exact(stage: int) -> None:
         assert out["refused"].startswith("this ZeRO state was saved with layout stage") and "\n" not in out["refused"]
 
 
-def test_trainer_matches_one_process_and_resumes_exactly(tmp_path) -> None:
+def test_trainer_matches_one_process_and_resumes_exactly(tmp_path, one_thread) -> None:
     """`minidist.train` at dp=2, ZeRO 0-3, 2 micro-batches: the logged losses are the single-process run's; a run
     resumed from its step-2 checkpoint redoes steps 3-4 bit for bit, and the replicas agree on the parameters."""
     from minidist import train
@@ -149,3 +160,57 @@ def test_trainer_matches_one_process_and_resumes_exactly(tmp_path) -> None:
             assert out["resumed_losses"] == out["losses"][2:]
             assert out["resumed_hash"] == out["hash"]
         assert len({out["hash"] for out in per_rank}) == 1
+
+
+class _RootlessStack(torch.nn.Module):
+    """Blocks only, no parameters outside them (like a middle pipeline stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_single_rank_zero_is_plain_adamw(stage: int, one_thread) -> None:
+    """One rank (no process group): every stage trains exactly like torch.optim.AdamW with clip_grad_norm_."""
+    model, twin = build_model(parity.CFG, seed=5), build_model(parity.CFG, seed=5)
+    zero = ZeroOptimizer(model, parity.make_optimizer(model.parameters()), Comm(), stage, bucket_bytes=16 * 1024)
+    optimizer = parity.make_optimizer(twin.parameters())
+    for step in range(2):
+        inputs, targets = parity.global_batch(step)
+        lm_loss(model(inputs), targets).backward()
+        lm_loss(twin(inputs), targets).backward()
+        norm = zero.clip_grad_norm(parity.GRAD_CLIP)
+        assert norm == pytest.approx(torch.nn.utils.clip_grad_norm_(twin.parameters(), parity.GRAD_CLIP).item(),
+                                     rel=1e-5)
+        zero.step()
+        zero.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = zero.full_parameters()
+    assert list(full) == [n for n, _ in twin.named_parameters()]
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_zero3_without_root_parameters(one_thread) -> None:
+    model, twin = _RootlessStack(), _RootlessStack()
+    twin.load_state_dict(model.state_dict())
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False), Comm(), 3)
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=0.1, foreach=False)
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        zero.step()
+        zero.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(p.numel() == 0 for p in model.parameters())  # sharded and freed between steps
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(zero.full_parameters()[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)

@@ -247,10 +247,10 @@ class _ShardedParams:
                 param.data = torch.empty(0, dtype=dtype, device=device)
             unit.gathered = False
             unit.pending = None
-        root = units[modules.index(None)]
+        roots = [u for u, m in zip(units, modules) if m is None]  # the root unit, if it has parameters
         backward_blocks = [u for u, m in zip(units, modules) if m is not None]  # units are in backward order
-        self.forward_order = [root, *reversed(backward_blocks)]
-        self.backward_order = [root, *backward_blocks]
+        self.forward_order = [*roots, *reversed(backward_blocks)]
+        self.backward_order = [*roots, *backward_blocks]
         self._hooks = []
         for unit, module in zip(units, modules):
             target = model if module is None else module
@@ -566,8 +566,7 @@ def _unit_buckets(named: list[tuple[str, nn.Parameter]], modules: list[nn.Module
     groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in modules]
     for name, param in named:
         groups[owner.get(id(param), root)].append((name, param))
-    if not groups[root]:
-        raise ValueError("ZeRO-3 needs parameters outside the units (the root: embeddings, final norm, head)")
+    # A unit without parameters of its own is dropped; so is an empty root (e.g. a middle pipeline stage).
     kept = [(g, m) for g, m in zip(groups, modules) if g]
     return [Bucket(i, g, pad_to=world) for i, (g, _) in enumerate(kept)], [m for _, m in kept]
 
