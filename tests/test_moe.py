@@ -24,6 +24,15 @@ from minidist.model.moe import (
 )
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: one thread is as fast as two here, and immune to the 5-50x slowdown of oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def moe_cfg(**moe) -> ModelConfig:
     base = dict(n_experts=4, top_k=2, d_expert=32)
     return get_preset("tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64,

@@ -58,6 +58,10 @@ class Routing:
     weights: torch.Tensor  # [T, k] gates that multiply the chosen experts' outputs (fp32)
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest entries of each row, best first; equal scores: the lower index wins (torch.topk promises no
     order for ties, a stable sort does)."""
@@ -66,8 +70,11 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def route(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
           renormalize: bool | None = None, scaling: float = 1.0) -> Routing:
-    """Choose top_k experts per row of `logits` [T, N]; `bias` [N] shifts the choice but never the gates."""
-    logits = logits.float()
+    """Choose top_k experts per row of `logits` [T, N]; `bias` [N] shifts the choice but never the gates.
+
+    Runs in at least float32 (float64 stays float64, for exact checks).
+    """
+    logits = _at_least_fp32(logits)
     if renormalize is None:
         renormalize = top_k > 1
     if router == "softmax":
@@ -79,7 +86,7 @@ def route(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch
         probs = scores / scores.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"router {router!r} is unknown; choose 'softmax' or 'sigmoid'")
-    choice = scores if bias is None else scores + bias.float()
+    choice = scores if bias is None else scores + bias.to(scores.dtype)
     indices = top_k_indices(choice.detach(), top_k)
     weights = scores.gather(-1, indices)
     if renormalize:
@@ -99,7 +106,7 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     Uniform routing gives exactly 1; top-1 collapse onto one expert gives N; top-k routing concentrated on the
     same k experts gives N/k. Only P carries a gradient (f is a count).
     """
-    probs = router_probs.reshape(-1, num_experts).float()
+    probs = _at_least_fp32(router_probs.reshape(-1, num_experts))
     indices = expert_indices.reshape(probs.shape[0], -1)
     counts = torch.bincount(indices.flatten(), minlength=num_experts).to(probs.dtype)
     f = counts / indices.numel()
@@ -109,7 +116,7 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
 
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
     """(1/B) Σ_tokens (log Σ_j exp x_j)² (Zoph et al. 2022, ST-MoE eq. 5): keeps router logits small."""
-    logits = router_logits.reshape(-1, router_logits.shape[-1]).float()
+    logits = _at_least_fp32(router_logits.reshape(-1, router_logits.shape[-1]))
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
@@ -250,8 +257,9 @@ class MoELayer(nn.Module):
         self.last_stats: dict | None = None
 
     def route(self, x: torch.Tensor) -> Routing:
-        """Routing of rows x [T, d_model]; the router runs in fp32 (ST-MoE §3: bf16 logits destabilize it)."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        """Routing of rows x [T, d_model], in (at least) fp32: Switch §2.4 ("selective precision") computes the
+        router in float32 because its softmax is where bf16 roundoff destabilizes training."""
+        logits = F.linear(_at_least_fp32(x), _at_least_fp32(self.router.weight))
         return route(logits, self.top_k, self.router_kind, self.router_bias, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
