@@ -2,8 +2,8 @@
 
 Read it top to bottom; each part is one short function:
 
-1. Configuration: `TrainConfig`, read from defaults < a TOML file < command-line flags (`parse_config`), checked
-   by `check_config` (bad values are one-line `ConfigError`s; the command line prints them and exits with 2).
+1. Configuration lives in `minidist.train_config`: `TrainConfig`, read from defaults < a TOML file < flags
+   (`parse_config`), checked by `check_config` (bad values are one-line `ConfigError`s; exit code 2).
 2. The rank grid: `DistEnv` (what torchrun says about this process), `resolve_parallel_dims` (checked against the
    world size before any process group exists), `init_distributed` (world size 1 creates no process group).
 3. The model and the step: `build_parallel_model` (build the full model, then `parallelize` it for the layout),
@@ -25,7 +25,6 @@ Where the parallel chapters plug in: `resolve_parallel_dims` (drop the "not avai
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -35,10 +34,8 @@ import os
 import random
 import sys
 import time
-import tomllib
-import typing
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,267 +44,24 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import checkpoint, flops, health
-from minidist.data import VOCAB_SIZE, BatchSampler, Corpus, load_corpus, unigram_entropy_nats
-from minidist.model import ModelConfig, build_model, get_preset, lm_loss
+from minidist.data import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.model import ModelConfig, build_model, lm_loss
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.plots import plot_losses, read_metrics
 from minidist.topology import ParallelDims, Topology
-
-# ================================================================================================================
-# 1. Configuration
-# ================================================================================================================
-
-
-class ConfigError(ValueError):
-    """A bad setting. The command line prints it as one line on stderr and exits with code 2."""
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a run. TOML keys and flags have the same names (flags with '-' for '_').
-
-    The model is a preset plus overrides: `[model]` in TOML holds `preset = "tiny"` and any ModelConfig field
-    (`n_layers = 2`, `moe = {n_experts = 4}`); on the command line `--model tiny --set model.n_layers=2`.
-    """
-
-    # model
-    model: str = "tiny"
-    model_overrides: dict = field(default_factory=dict)
-    # data: "stdlib" (the standard library's source), a text file, a directory of text files, a .bin or .npy file
-    data: str = "stdlib"
-    max_bytes: int | None = None
-    val_fraction: float = 0.05
-    # batch: global sizes, whatever the layout
-    batch_size: int = 16
-    seq_len: int = 128
-    microbatches: int = 1
-    # optimizer and schedule
-    steps: int = 200
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    # precision and device
-    dtype: str = "fp32"
-    device: str = "auto"
-    # parallel layout (dp None: whatever the other dimensions leave of the world size)
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    # evaluation, logging, checkpoints
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    ckpt_every: int = 100
-    resume: bool = False
-    out: str = "runs/tiny"
-    seed: int = 0
-    peak_flops: float | None = None
-    plot: bool = True
-
-
-# (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
-FLAGS: list[tuple[str, str]] = [
-    ("--model", "model preset (tiny, small, gpt2-124m, llama2-7b, ...); override fields with --set model.KEY=V"),
-    ("--data", "text source: 'stdlib', a text file, a directory, a glob, a .bin (uint8) or .npy file"),
-    ("--max-bytes", "read at most this many bytes of the corpus (quick runs)"),
-    ("--val-fraction", "fraction of the corpus held out for validation (split by file)"),
-    ("--batch-size", "global batch in sequences, summed over data-parallel ranks and micro-batches"),
-    ("--seq-len", "tokens per sequence"),
-    ("--microbatches", "gradient accumulation: split each rank's batch into this many micro-batches"),
-    ("--steps", "optimizer steps"),
-    ("--lr", "peak learning rate, reached after the warm-up"),
-    ("--min-lr", "learning rate at the end of the cosine decay"),
-    ("--warmup-steps", "steps of linear warm-up"),
-    ("--weight-decay", "AdamW decoupled weight decay on weight matrices (not norms, biases, embeddings)"),
-    ("--beta1", "AdamW beta1"),
-    ("--beta2", "AdamW beta2"),
-    ("--grad-clip", "clip the global gradient norm to this value (0: no clipping; the norm is logged anyway)"),
-    ("--dtype", "fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
-    ("--device", "auto (cuda if available), cpu or cuda"),
-    ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
-    ("--tp", "tensor-parallel degree"),
-    ("--pp", "pipeline-parallel degree"),
-    ("--cp", "context-parallel degree"),
-    ("--ep", "expert-parallel degree (carved out of dp*cp)"),
-    ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
-    ("--eval-every", "validation loss every N steps and at the end (0: only at the end)"),
-    ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
-    ("--log-every", "progress line every N steps"),
-    ("--ckpt-every", "checkpoint every N steps and at the end (0: never)"),
-    ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
-    ("--seed", "seed of the initialization and of the data order"),
-    ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
-]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        # One line, like every other configuration error (argparse would print the whole usage first).
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    defaults = TrainConfig()
-    hints = typing.get_type_hints(TrainConfig)
-    parser = _Parser(prog="python -m minidist.train", description=__doc__.split("\n")[0],
-                     argument_default=argparse.SUPPRESS)  # absent flags stay absent: they must not override TOML
-    parser.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
-    for flag, text in FLAGS:
-        key = flag[2:].replace("-", "_")
-        kind = next(t for t in (typing.get_args(hints[key]) or (hints[key],)) if t is not type(None))
-        parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text} (default: {getattr(defaults, key)})")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
-    parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
-    return parser
-
-
-def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Defaults < the --config TOML file < flags < --set items, in that order; checked before it is returned."""
-    args = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    if "config" in args:
-        values = _merge(values, read_toml(args.pop("config")))
-    sets = args.pop("set")
-    if "model" in args:
-        args["model"] = {"preset": args["model"]}
-    values = _merge(values, args)
-    for item in sets:
-        values = _merge(values, _parse_set(item))
-    cfg = config_from_values(values)
-    check_config(cfg)
-    return cfg
-
-
-def read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-
-
-def _parse_set(item: str) -> dict[str, Any]:
-    """'model.n_layers=2' -> {'model': {'n_layers': 2}}; the value is read as TOML, else kept as a string."""
-    key, sep, text = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set model.n_layers=2)")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    for part in reversed(key.strip().split(".")):
-        value = {part: value}
-    return value
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def config_from_values(values: dict[str, Any]) -> TrainConfig:
-    """A TrainConfig from TOML-shaped values ({"steps": 10, "model": {"preset": "tiny", "n_layers": 2}})."""
-    values = dict(values)
-    model = values.pop("model", {})
-    model = {"preset": model} if isinstance(model, str) else dict(model) if isinstance(model, dict) else model
-    if not isinstance(model, dict):
-        raise ConfigError(f"model must be a preset name or a table, got {model!r}")
-    hints = typing.get_type_hints(TrainConfig)
-    known = sorted(set(hints) - {"model", "model_overrides"})
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {unknown}; known: {known} and a [model] table")
-    kwargs = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
-    preset = model.pop("preset", TrainConfig.model)
-    return TrainConfig(model=_coerce("model.preset", preset, str), model_overrides=model, **kwargs)
-
-
-def config_to_values(cfg: TrainConfig) -> dict[str, Any]:
-    """The inverse of `config_from_values` (what run.json and checkpoints record)."""
-    values = dataclasses.asdict(cfg)
-    values["model"] = {"preset": values.pop("model"), **values.pop("model_overrides")}
-    return values
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    allowed = typing.get_args(hint) or (hint,)
-    if value is None and type(None) in allowed:
-        return None
-    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
-        names = " or ".join(t.__name__ for t in allowed if t is not type(None))
-        raise ConfigError(f"{key} must be {names}, got {value!r}")
-    return value
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    try:
-        return get_preset(cfg.model, **cfg.model_overrides)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_config(cfg: TrainConfig) -> ModelConfig:
-    """Raise a one-line ConfigError for the first bad setting; return the resolved model config."""
-    mcfg = model_config(cfg)
-    at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
-                "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    for key, low in at_least.items():
-        if getattr(cfg, key) < low:
-            raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
-    if cfg.dp is not None and cfg.dp < 1:
-        raise ConfigError(f"dp must be >= 1, got {cfg.dp}")
-    if cfg.batch_size % cfg.microbatches:
-        fits = [m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0]
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
-                          f"microbatches in {fits} would fit")
-    if cfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; "
-                          f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
-    if mcfg.vocab_size < VOCAB_SIZE:
-        raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-    for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda"))):
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
-    if cfg.zero > 3:
-        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
-    for key in ("weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.max_bytes is not None and cfg.max_bytes < 1:
-        raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
-    if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not Path(cfg.data).expanduser().exists():
-        raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
-                          "a .bin/.npy file, or 'stdlib'")
-    _schedule(cfg)  # its own checks (lr >= min_lr >= 0)
-    return mcfg
-
-
-def _schedule(cfg: TrainConfig) -> WarmupCosine:
-    try:
-        return WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
+from minidist.train_config import (  # noqa: F401  (re-exported: tests and users import them from here)
+    FLAGS,
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    check_config,
+    config_from_values,
+    config_to_values,
+    lr_schedule,
+    model_config,
+    parse_config,
+    read_toml,
+)
 
 # ================================================================================================================
 # 2. The rank grid
@@ -565,7 +319,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, model=model, optimizer=optimizer,
-              schedule=_schedule(cfg), sampler=sampler, val_batches=validation_batches(corpus, cfg, device),
+              schedule=lr_schedule(cfg), sampler=sampler, val_batches=validation_batches(corpus, cfg, device),
               autocast=autocast_for(cfg.dtype, device), out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus)
     run.optimizer = data_parallel(run.model, run.optimizer, topo, cfg.zero)  # after describe_run: ZeRO-3 frees
