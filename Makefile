@@ -27,7 +27,8 @@ test-fast: $(STAMP)
 
 # Grade your own exercise answers for one chapter:  make grade CH=00
 grade: $(STAMP)
-	MINIDIST_IMPL=exercises $(PY) -m pytest tests/exercises -q -k "ch$(CH)"
+	@test -n "$(CH)" || { echo "usage: make grade CH=00"; exit 2; }
+	$(PY) -m pytest tests/exercises -q -k "ch$(CH)" --impl exercises
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
