@@ -35,7 +35,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +87,6 @@ class DistEnv:
 
 # What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
 NOT_AVAILABLE_YET = {
-    "tp": ("tensor parallelism", "08"),
-    "pp": ("pipeline parallelism", "09"),
     "cp": ("context parallelism", "10"),
     "ep": ("expert parallelism", "11"),
 }
@@ -109,7 +107,31 @@ def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
                           f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
+    check_model_split(cfg, dims)
     return dims
+
+
+def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Chapters 08-09: can the model be cut over tp ranks and pp stages this way? One-line ConfigError if not."""
+    from minidist.parallel.pipeline import validate_pipeline
+    from minidist.parallel.tensor import validate_tensor_parallel
+
+    mcfg = model_config(cfg)
+    if cfg.sp and dims.tp == 1:
+        raise ConfigError("--sp (sequence parallel) splits the sequence over tensor-parallel ranks: it needs --tp > 1")
+    if dims.pp == 1 and cfg.virtual_stages > 1:
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} cuts each pipeline rank's layers into chunks: "
+                          "it needs --pp > 1")
+    if cfg.zero == 3 and dims.tp * dims.pp > 1:
+        raise ConfigError(f"--zero 3 with tp={dims.tp} pp={dims.pp} is not supported (ZeRO-3 gathers whole blocks "
+                          "of the unsplit model); use --zero 1 or 2")
+    try:
+        validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
+        if dims.pp > 1:
+            validate_pipeline(mcfg, dims.pp, cfg.microbatches, cfg.virtual_stages, cfg.schedule,
+                              batch_size=cfg.batch_size // dims.dp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> tuple[Topology, bool]:
@@ -139,20 +161,61 @@ def pick_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
 # ================================================================================================================
 
 
-def build_parallel_model(mcfg: ModelConfig, cfg: TrainConfig, topo: Topology, device: torch.device) -> nn.Module:
-    """Every rank builds the full model from (seed, parameter names), then keeps and wraps its part."""
-    model = build_model(mcfg, seed=cfg.seed).to(device)
-    return parallelize(model, topo, cfg)
+def build_parallel_model(mcfg: ModelConfig, cfg: TrainConfig, topo: Topology, device: torch.device
+                         ) -> tuple[nn.Module, Callable, dict[str, int]]:
+    """Every rank builds the full model from (seed, parameter names), then keeps and wraps its part.
 
-
-def parallelize(model: nn.Module, topo: Topology, cfg: TrainConfig) -> nn.Module:
-    """Transform a full model for this rank's place in the grid (DESIGN §2). World size 1: the model itself.
-
-    The chapters add, in this order: tensor + sequence parallel (08: swap linears and embeddings for sharded ones),
-    expert parallel (11: keep this rank's experts), pipeline parallel (09: keep this stage's blocks), context
-    parallel (10: ring attention), data parallel / ZeRO (07: gradient reduction hooks, sharded optimizer state).
+    Returns (this rank's model, its loss function, the full model's parameter counts).
     """
-    return model
+    model = build_model(mcfg, seed=cfg.seed).to(device)
+    counts = parameter_counts(model)
+    model, loss_fn = parallelize(model, mcfg, topo, cfg)
+    return model, loss_fn, counts
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    params = sum(p.numel() for p in model.parameters())  # a tied weight is counted once
+    embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+    return {"params": params, "params_non_embedding": params - embedding}
+
+
+def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, cfg: TrainConfig) -> tuple[nn.Module, Callable]:
+    """Transform a full model for this rank's place in the grid (DESIGN §2); return it and its loss function
+    (logits, targets) -> mean loss. World size 1: the model itself and `lm_loss`.
+
+    The chapters add, in this order: tensor + sequence parallel (08: swap linears and embeddings for sharded ones;
+    the logits are this rank's vocabulary slice, scored by a vocab-parallel cross-entropy), expert parallel (11:
+    keep this rank's experts), pipeline parallel (09: keep this stage's blocks, a `StageModule`), context parallel
+    (10: ring attention), data parallel / ZeRO (07: `data_parallel`, applied to the result by `setup`).
+    """
+    loss_fn: Callable = lm_loss
+    if topo.size("tp") > 1:
+        from minidist.parallel.tensor import apply_tensor_parallel
+        from minidist.parallel.vocab import vocab_parallel_lm_loss
+
+        tp_comm = topo.comm("tp")
+        model = apply_tensor_parallel(model, mcfg, tp_comm, sequence_parallel=cfg.sp,
+                                      reduce_dtype=torch.float32 if cfg.tp_reduce_fp32 else None)
+        loss_fn = functools.partial(vocab_parallel_lm_loss, comm=tp_comm)
+    if topo.size("pp") > 1:
+        from minidist.parallel.pipeline import partition_model
+
+        model = partition_model(model, topo.coord("pp"), topo.size("pp"), cfg.virtual_stages, loss_fn=loss_fn)
+    return model, loss_fn
+
+
+def pipeline_runner(model: nn.Module, topo: Topology, cfg: TrainConfig, with_aux: bool) -> Any:
+    """Chapter 09: the executor of this rank's schedule (None without pipeline parallelism)."""
+    if topo.size("pp") == 1:
+        return None
+    from minidist.parallel.pipeline import PipelineRunner
+
+    shape = None
+    if cfg.sp:  # between stages travels this tp rank's slice of the sequence
+        tp, d_model = topo.size("tp"), model.cfg.d_model
+        shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // tp, d_model)  # noqa: E731
+    return PipelineRunner(model, topo.comm("pp"), cfg.schedule, cfg.microbatches, cfg.virtual_stages,
+                          activation_shape=shape, with_aux=with_aux)
 
 
 def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int,
@@ -179,14 +242,16 @@ class StepResult:
 
 def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                      autocast: Callable = contextlib.nullcontext, with_aux: bool = False,
-                     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                     ) -> tuple[float, float]:
+                     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                     loss_fn: Callable = lm_loss) -> tuple[float, float]:
     """Accumulate the gradient of the mean loss over the micro-batches; return (mean LM loss, mean aux loss).
 
     Every micro-batch has the same number of tokens, so the mean over the global batch is the mean of the
     micro-batch means: scaling each micro-batch loss by 1/M before backward makes the summed gradients equal the
     full-batch gradient (forgetting the 1/M gives an M-times too large gradient). Data parallelism (chapter 07)
     communicates once per step: the backward passes of all micro-batches but the last run inside `no_sync()`.
+    Tensor parallelism (chapter 08) passes a vocab-parallel `loss_fn`: the same loss on every tp rank, and each
+    rank's backward gives its own shards' gradients (no division by tp).
     """
     scale = 1.0 / len(batches)
     total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
@@ -194,7 +259,7 @@ def forward_backward(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     for i, (inputs, targets) in enumerate(batches):
         with autocast():
             logits = model(inputs)
-        loss = lm_loss(logits, targets)  # cross-entropy in fp32, whatever the autocast dtype
+        loss = loss_fn(logits, targets)  # cross-entropy in fp32, whatever the autocast dtype
         health.check_fp32("loss", loss)
         objective = loss
         if with_aux:
@@ -216,13 +281,64 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     return norm.item()
 
 
+def clip_sharded_grad_norm(model: nn.Module, optimizer: Any, max_norm: float, topo: Topology) -> float:
+    """`clip_grad_norm` when the parameters are split over tp ranks and pp stages: the norm of the whole model.
+
+    Squares are summed over this rank's gradients (a tp-replicated parameter counted once, not tp times), then over
+    the tp and pp groups; ZeRO (stages 1-2) holds gradient shards, summed over dp_cp too. Every rank gets the same
+    norm and scales by the same factor, so replicas stay identical.
+    """
+    from minidist.parallel.sharded import clip_zero_tp_grad_norm_, sharded_grad_norm
+
+    tp_comm, pp_comm = topo.comm("tp"), topo.comm("pp")
+    zero_stage = getattr(optimizer, "stage", 0)
+    if hasattr(optimizer, "finish_grad_sync"):
+        optimizer.finish_grad_sync()
+    if zero_stage == 0:  # full (tp-sharded) gradients on every rank
+        params = [p for p in model.parameters() if p.grad is not None]
+        pieces = [(p.grad, p.tp_layout.replicas if hasattr(p, "tp_layout") else 1) for p in params]
+        norm = sharded_grad_norm(pieces, [c for c in (tp_comm, pp_comm) if c.size > 1])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm.item()
+
+    def zero_norm(limit: float) -> float:  # the norm over dp_cp (and tp); clips to `limit` unless it is 0
+        if tp_comm.size > 1:
+            return clip_zero_tp_grad_norm_(optimizer, limit, tp_comm)
+        return optimizer.clip_grad_norm(limit)
+
+    if pp_comm.size == 1:
+        return zero_norm(max_norm)
+    # Bring in the other stages: measure, sum the squares over pp, then clip through ZeRO's own max_norm so that
+    # its factor max_norm' / (local + 1e-6) equals the global one, max_norm / (total + 1e-6).
+    local = zero_norm(0.0)
+    square = torch.tensor([local * local], dtype=torch.float64)
+    total = pp_comm.all_reduce(square).sqrt().item()
+    coef = max_norm / (total + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        zero_norm(coef * (local + 1e-6))
+    return total
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
                *, step: int, grad_clip: float, autocast: Callable = contextlib.nullcontext,
-               with_aux: bool = False) -> StepResult:
-    """One optimizer step on the micro-batches of one global batch. Stops (TrainingDiverged) before a bad update."""
-    loss, aux = forward_backward(model, batches, autocast, with_aux,
-                                 no_sync=getattr(optimizer, "no_sync", contextlib.nullcontext))
-    if hasattr(optimizer, "clip_grad_norm"):  # chapter 07: the norm over every rank's gradient shard
+               with_aux: bool = False, loss_fn: Callable = lm_loss, runner: Any = None,
+               topo: Topology | None = None) -> StepResult:
+    """One optimizer step on the micro-batches of one global batch. Stops (TrainingDiverged) before a bad update.
+
+    With pipeline parallelism `runner` (a `PipelineRunner`) runs the forwards and backwards in its schedule's
+    order; its loss is the last stage's, shared with every stage. `topo` (tp or pp > 1) clips by the whole model's
+    norm.
+    """
+    no_sync = getattr(optimizer, "no_sync", contextlib.nullcontext)
+    if runner is not None:
+        stats = runner.step(batches, autocast, no_sync=no_sync)
+        loss, aux = stats.loss, stats.aux_loss
+    else:
+        loss, aux = forward_backward(model, batches, autocast, with_aux, no_sync=no_sync, loss_fn=loss_fn)
+    if topo is not None and topo.size("tp") * topo.size("pp") > 1:  # chapters 08-09: a norm over split parameters
+        grad_norm = clip_sharded_grad_norm(model, optimizer, grad_clip, topo)
+    elif hasattr(optimizer, "clip_grad_norm"):  # chapter 07: the norm over every rank's gradient shard
         grad_norm = optimizer.clip_grad_norm(grad_clip)
     else:
         grad_norm = clip_grad_norm(model.parameters(), grad_clip)
@@ -234,14 +350,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             autocast: Callable = contextlib.nullcontext) -> float:
-    """Mean LM loss over fixed validation batches."""
+             autocast: Callable = contextlib.nullcontext, loss_fn: Callable = lm_loss, runner: Any = None) -> float:
+    """Mean LM loss over fixed validation batches (through the pipeline stages, forwards only, with a runner)."""
     model.eval()
+    if runner is not None:
+        loss = runner.evaluate(batches, autocast)
+        model.train()
+        return loss
     total = torch.zeros((), dtype=torch.float32)
     for inputs, targets in batches:
         with autocast():
             logits = model(inputs)
-        total += lm_loss(logits, targets).cpu()
+        total += loss_fn(logits, targets).cpu()
     model.train()
     return (total / len(batches)).item()
 
@@ -283,6 +403,9 @@ class Run:
     autocast: Callable
     out: Path
     info: dict  # what run.json records
+    loss_fn: Callable = lm_loss  # (logits, targets) -> mean loss; vocab-parallel under tensor parallelism
+    runner: Any = None  # the pipeline executor (chapter 09), None without pipeline parallelism
+    param_counts: dict = field(default_factory=dict)  # of the full model, whatever part of it this rank holds
     start_step: int = 0
 
     @property
@@ -315,12 +438,13 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     random.seed(cfg.seed)
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
-    model = build_parallel_model(mcfg, cfg, topo, device)
+    model, loss_fn, counts = build_parallel_model(mcfg, cfg, topo, device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, model=model, optimizer=optimizer,
               schedule=lr_schedule(cfg), sampler=sampler, val_batches=validation_batches(corpus, cfg, device),
-              autocast=autocast_for(cfg.dtype, device), out=Path(cfg.out), info={})
+              autocast=autocast_for(cfg.dtype, device), out=Path(cfg.out), info={}, loss_fn=loss_fn,
+              runner=pipeline_runner(model, topo, cfg, with_aux=mcfg.moe.n_experts > 0), param_counts=counts)
     run.info = describe_run(run, corpus)
     run.optimizer = data_parallel(run.model, run.optimizer, topo, cfg.zero)  # after describe_run: ZeRO-3 frees
     if run.is_main:
@@ -361,8 +485,6 @@ def describe_run(run: Run, corpus: Corpus) -> dict[str, Any]:
     """What run.json records: the resolved settings and the numbers every figure of the run is measured against."""
     cfg, mcfg = run.cfg, run.mcfg
     peak, peak_source = peak_flops_for(cfg, run.device)
-    params = sum(p.numel() for p in run.model.parameters())  # a tied weight is counted once
-    embedding = sum(p.numel() for m in run.model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
     return {
         "config": config_to_values(cfg),
         "model": dataclasses.asdict(mcfg),
@@ -375,8 +497,7 @@ def describe_run(run: Run, corpus: Corpus) -> dict[str, Any]:
         "train_tokens": corpus.train.numel(),
         "val_tokens": corpus.val.numel(),
         "unigram_entropy_nats": unigram_entropy_nats(corpus.train),
-        "params": params,
-        "params_non_embedding": params - embedding,
+        **run.param_counts,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
         "peak_flops": peak,
@@ -486,14 +607,16 @@ def train_loop(run: Run) -> dict[str, Any]:
         lr = run.schedule.apply(run.optimizer, step)
         batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
         result = train_step(run.model, run.optimizer, batches, step=step, grad_clip=cfg.grad_clip,
-                            autocast=run.autocast, with_aux=moe is not None)
+                            autocast=run.autocast, with_aux=moe is not None, loss_fn=run.loss_fn,
+                            runner=run.runner, topo=run.topo)
         if moe is not None and run.mcfg.moe.bias_update_speed > 0:
             moe.update_router_biases(run.model)
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
         seconds = time.perf_counter() - started
         record = make_record(run, step, lr, result, seconds, moe)
         if run.val_batches and _is_due(step, cfg.eval_every, last):
-            record["val_loss"] = global_mean(evaluate(run.model, run.val_batches, run.autocast), run.topo)
+            val = evaluate(run.model, run.val_batches, run.autocast, run.loss_fn, run.runner)
+            record["val_loss"] = global_mean(val, run.topo)
             summary["val_losses"][step] = record["val_loss"]
         if metrics:
             metrics.write(record)

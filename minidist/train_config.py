@@ -64,6 +64,10 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    sp: bool = False  # sequence parallel (with tp > 1)
+    tp_reduce_fp32: bool = False  # sum the tensor-parallel partial sums in fp32 (under bf16)
+    schedule: str = "1f1b"  # pipeline schedule (with pp > 1)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     # evaluation, logging, checkpoints
     eval_every: int = 50
     eval_batches: int = 8
@@ -101,6 +105,8 @@ FLAGS: list[tuple[str, str]] = [
     ("--cp", "context-parallel degree"),
     ("--ep", "expert-parallel degree (carved out of dp*cp)"),
     ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
+    ("--schedule", "pipeline schedule with --pp > 1: afab (all forwards, all backwards), 1f1b, interleaved"),
+    ("--virtual-stages", "model chunks per pipeline rank (the interleaved schedule)"),
     ("--eval-every", "validation loss every N steps and at the end (0: only at the end)"),
     ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
     ("--log-every", "progress line every N steps"),
@@ -128,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         kind = next(t for t in (typing.get_args(hints[key]) or (hints[key],)) if t is not type(None))
         parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text} (default: {getattr(defaults, key)})")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel: outside the tensor-parallel regions "
+                        "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
+    parser.add_argument("--tp-reduce-fp32", action="store_true",
+                        help="sum tensor-parallel partial results in fp32 (matters under --dtype bf16)")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
@@ -232,7 +242,8 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     """Raise a one-line ConfigError for the first bad setting; return the resolved model config."""
     mcfg = model_config(cfg)
     at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
-                "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+                "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
+                "virtual_stages": 1}
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
@@ -247,7 +258,8 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
     if mcfg.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-    for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda"))):
+    for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda")),
+                         ("schedule", ("afab", "1f1b", "interleaved"))):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
     if cfg.zero > 3:

@@ -92,11 +92,13 @@ def test_cli_config_error_exits_2_with_one_line():
 
 
 def test_parallel_flags_checked_against_world_size():
+    with pytest.raises(ConfigError, match=r"^--cp 2: context parallelism is not available yet \(chapter 10\)$"):
+        train.resolve_parallel_dims(TrainConfig(cp=2), world_size=2)
     cfg = TrainConfig(tp=2)
-    with pytest.raises(ConfigError, match=r"^--tp 2: tensor parallelism is not available yet \(chapter 08\)$"):
-        train.resolve_parallel_dims(cfg, world_size=2)
     with pytest.raises(ConfigError, match="does not fit 3 ranks"):
         train.resolve_parallel_dims(cfg, world_size=3)
+    # Chapters 08-09: dp is what tp and pp leave of the world size.
+    assert train.resolve_parallel_dims(TrainConfig(tp=2, pp=2), world_size=8) == train.ParallelDims(dp=2, tp=2, pp=2)
     # Chapter 07: dp defaults to the world size; the global batch must split into dp x microbatches.
     assert train.resolve_parallel_dims(TrainConfig(zero=3), world_size=4) == train.ParallelDims(dp=4)
     with pytest.raises(ConfigError, match=r"not divisible by dp\*microbatches = 4\*1"):

@@ -1,0 +1,143 @@
+"""The trainer with tensor (chapter 08) and pipeline (chapter 09) parallelism, composed with data parallelism and
+ZeRO: every layout logs the single-process run's losses, gradient norms and validation losses; a tp x pp run resumes
+exactly from its checkpoint; a layout the pieces cannot run fails with a one-line ConfigError before any process
+group exists. One launch of 4 ranks runs every layout in-process through `train(cfg)`."""
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import checkpoint, train
+from minidist.launch import run_ranks
+from minidist.train import ConfigError, TrainConfig
+
+# n_heads 4 and n_kv_heads 2 split over tp 2; 4 layers split over pp 4, or pp 2 x 2 virtual stages.
+MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+
+# name: the layout's settings (every other setting is `config`'s, the same for every layout)
+LAYOUTS = {
+    "tp2 dp2 zero1": dict(tp=2, dp=2, zero=1),
+    "tp2 sp dp2": dict(tp=2, sp=True, dp=2),
+    "pp2 dp2 1f1b": dict(pp=2, dp=2, schedule="1f1b"),
+    "pp2 dp2 afab zero1": dict(pp=2, dp=2, schedule="afab", zero=1),
+    "pp2 tp2 1f1b": dict(pp=2, tp=2, schedule="1f1b"),
+    "pp2 tp2 sp interleaved": dict(pp=2, tp=2, sp=True, schedule="interleaved", virtual_stages=2),
+    "pp4 1f1b": dict(pp=4, schedule="1f1b"),  # 2 micro-batches < pp: 1F1B still runs
+}
+
+
+def config(out: str, **changes) -> TrainConfig:
+    """4 steps of batch 8 x 32 with clipping active (the norm is above 1 at the start) and 2 evaluations."""
+    settings = dict(model="tiny", model_overrides=dict(MODEL), max_bytes=100_000, batch_size=8, seq_len=32,
+                    microbatches=2, steps=4, warmup_steps=1, grad_clip=1.0, eval_every=2, eval_batches=2,
+                    log_every=100, ckpt_every=0, out=out, seed=0, peak_flops=1e12, plot=False)
+    return TrainConfig(**{**settings, **changes})
+
+
+def _records(out: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rank_layouts(root: str) -> dict:
+    """The rank function: every layout through `train.train`, then a tp2 x pp2 run resumed from step 2."""
+    results = {}
+    for name, changes in LAYOUTS.items():
+        out = str(Path(root) / name.replace(" ", "_"))
+        summary = train.train(config(out, **changes))
+        dist.barrier()  # rank 0 has written metrics.jsonl
+        results[name] = {"losses": summary["losses"], "records": _records(out), "hash": summary["param_hash"]}
+    out = str(Path(root) / "resume")
+    first = train.train(config(out, pp=2, tp=2, ckpt_every=2))
+    dist.barrier()
+    if dist.get_rank() == 0:  # pretend the run died after the step-2 checkpoint
+        ckpts = Path(out) / "checkpoints"
+        shutil.rmtree(ckpts / checkpoint.step_dir_name(4))
+        (ckpts / checkpoint.LATEST).write_text(checkpoint.step_dir_name(2) + "\n")
+    dist.barrier()
+    again = train.train(config(out, pp=2, tp=2, ckpt_every=2, resume=True))
+    results["resume"] = {"losses": first["losses"], "resumed_losses": again["losses"],
+                         "resumed_from": again["resumed_from"], "hash": first["param_hash"],
+                         "resumed_hash": again["param_hash"]}
+    return results
+
+
+@functools.lru_cache(maxsize=1)
+def _results(root: str) -> list[dict]:
+    return run_ranks(_rank_layouts, 4, root, timeout=900, threads_per_rank=1)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return _results(str(tmp_path_factory.mktemp("layouts")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The single-process run (no process group) of the same settings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = str(tmp_path_factory.mktemp("single"))
+        train.train(config(out))
+        return _records(out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                          rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_logs_the_single_process_run(name, results, reference) -> None:
+    """Losses (global mean over replicas), gradient norms (over tp shards and pp stages, before clipping; clipping
+    is active, so a wrong norm changes the later losses) and validation losses match one process."""
+    records = results[0][name]["records"]
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for key in ("loss", "grad_norm"):
+        got, want = [r[key] for r in records], [r[key] for r in reference]
+        assert _close(got, want), f"{name}: {key} {got} != single process {want}"
+    got = [r["val_loss"] for r in records if "val_loss" in r]
+    want = [r["val_loss"] for r in reference if "val_loss" in r]
+    assert len(want) == 2 and _close(got, want), f"{name}: val_loss {got} != single process {want}"
+    for r in results:  # every rank returns the same (global) losses
+        assert r[name]["losses"] == results[0][name]["losses"]
+    assert reference[0]["grad_norm"] > 1.0  # the clipping above was active
+
+
+def test_tp_pp_run_resumes_exactly(results) -> None:
+    for r in results:
+        out = r["resume"]
+        assert out["resumed_from"] == 2
+        assert out["resumed_losses"] == out["losses"][2:]
+        assert out["resumed_hash"] == out["hash"]  # each rank's part of the parameters, bit for bit
+
+
+def _error(world: int, **changes) -> str:
+    with pytest.raises(ConfigError) as info:
+        train.resolve_parallel_dims(config("unused", **changes), world)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("world, changes, words", [
+    (3, dict(tp=3), "does not divide n_heads=4"),
+    (4, dict(pp=4, model_overrides=dict(MODEL, n_layers=2)), "fewer than the 4 pipeline chunks"),
+    (1, dict(sp=True), "needs --tp > 1"),
+    (2, dict(tp=2, sp=True, seq_len=33, model_overrides=dict(MODEL, max_seq_len=64)), "seq_len=33 divisible"),
+    (2, dict(pp=2, virtual_stages=2), "needs schedule='interleaved'"),
+    (1, dict(virtual_stages=2), "needs --pp > 1"),
+    (2, dict(pp=2, model_overrides=dict(MODEL, tie_embeddings=True)), "tie_embeddings"),
+    (2, dict(tp=2, zero=3), "--zero 3 with tp=2 pp=1 is not supported"),
+    (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
+])
+def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:
+    """Checked by `resolve_parallel_dims`, which runs before any process group is created."""
+    assert words in _error(world, **changes)
