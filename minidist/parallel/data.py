@@ -293,7 +293,10 @@ class DataParallel:
         self._stale = False
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self._stale:  # a backward without a forward pre-hook call (e.g. the model was called via .forward)
+        if self._stale:  # the forward bypassed our pre-hook (model.forward(...) instead of model(...))
+            if param.grad is not None and param.grad is getattr(param, "main_grad", None):
+                raise RuntimeError("a new backward accumulated into last step's averaged gradients: call the model "
+                                   "as model(x) (its forward hook starts a fresh step) or zero_grad() first")
             grad = param.grad
             self._reset()
             param.grad = grad
