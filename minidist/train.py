@@ -17,10 +17,11 @@ step: `step` is the 0-based step index, `loss` the mean LM loss of its global ba
 `grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
 `aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.checkpoint).
 
-Where the parallel chapters plug in: `resolve_parallel_dims` (drop the "not available yet" error of a dimension),
-`parallelize` (swap modules, keep this rank's pipeline stage, shard parameters, hook gradient reduction),
-`local_batches` (which rows and which positions this rank sees), `global_mean` (the logged loss over replicas),
-`clip_grad_norm` (a norm over sharded gradients) and `forward_backward` (a pipeline schedule replaces the plain loop).
+Where the parallel chapters plug in: `resolve_parallel_dims` (drop the "not available yet" error of a dimension;
+`check_model_split` checks the model against tp and pp), `parallelize` (swap modules, keep this rank's pipeline
+stage), `data_parallel` (gradient reduction, ZeRO), `local_batches` (which rows and which positions this rank sees),
+`global_mean` (the logged loss over replicas), `clip_sharded_grad_norm` (a norm over tp shards and pp stages) and
+`train_step` (a `PipelineRunner` replaces `forward_backward`).
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def clip_sharded_grad_norm(model: nn.Module, optimizer: Any, max_norm: float, to
     # Bring in the other stages: measure, sum the squares over pp, then clip through ZeRO's own max_norm so that
     # its factor max_norm' / (local + 1e-6) equals the global one, max_norm / (total + 1e-6).
     local = zero_norm(0.0)
-    square = torch.tensor([local * local], dtype=torch.float64)
+    square = torch.tensor([local * local], dtype=torch.float64, device=optimizer.buckets[0].grad_shard.device)
     total = pp_comm.all_reduce(square).sqrt().item()
     coef = max_norm / (total + 1e-6)
     if max_norm > 0 and coef < 1.0:
