@@ -22,6 +22,7 @@ MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 12
 # name: the layout's settings (every other setting is `config`'s, the same for every layout)
 LAYOUTS = {
     "tp2 dp2 zero1": dict(tp=2, dp=2, zero=1),
+    "tp2 dp2 zero2": dict(tp=2, dp=2, zero=2),
     "tp2 sp dp2": dict(tp=2, sp=True, dp=2),
     "pp2 dp2 1f1b": dict(pp=2, dp=2, schedule="1f1b"),
     "pp2 dp2 afab zero1": dict(pp=2, dp=2, schedule="afab", zero=1),
