@@ -124,8 +124,8 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--virtual-stages {cfg.virtual_stages} cuts each pipeline rank's layers into chunks: "
                           "it needs --pp > 1")
     if cfg.zero == 3 and dims.tp * dims.pp > 1:
-        raise ConfigError(f"--zero 3 with tp={dims.tp} pp={dims.pp} is not supported (ZeRO-3 gathers whole blocks "
-                          "of the unsplit model); use --zero 1 or 2")
+        raise ConfigError(f"--zero 3 with tp={dims.tp} pp={dims.pp} is not supported yet (ZeRO-3's parameter "
+                          "gathering is not wired for tp-sharded or pipeline-stage models); use --zero 1 or 2")
     try:
         validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
         if dims.pp > 1:
