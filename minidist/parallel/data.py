@@ -14,7 +14,7 @@ Three versions, in the order chapter 07 builds them:
 1. `average_gradients`: after backward, one blocking all-reduce per parameter (the naive version: many small
    messages, each paying the latency α, and nothing overlaps with compute).
 2. `DataParallel(overlap=False)`: gradients are copied into a few flat fp32 buckets; one all-reduce per bucket
-   after backward (few large messages, Li et al. 2020, "PyTorch Distributed", §3.2.3).
+   after backward (few large messages, Li et al. 2020, "PyTorch Distributed", §3.2.2; overlap: §3.2.3).
 3. `DataParallel(overlap=True)`: a bucket's all-reduce starts from a gradient hook the moment its last gradient is
    ready, so communication runs while backward computes the remaining gradients; `finish_grad_sync()` waits for
    all of them before the optimizer step.

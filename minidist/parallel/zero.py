@@ -549,8 +549,8 @@ class ZeroOptimizer:
         return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(optimizer)}
 
     def peak_transient_bytes(self) -> dict[str, int]:
-        """Peak bytes of the short-lived buffers (the paper's "temporary buffers", §6): full parameters of gathered
-        units (stage 3) and full gradient buckets in flight (stages 2-3)."""
+        """Peak bytes of the short-lived buffers (the "temporary buffers" of the paper, §3.2): full parameters of
+        gathered units (stage 3) and full gradient buckets in flight (stages 2-3)."""
         return {name: t.peak for name, t in self.transient.items()}
 
 
