@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_PRELOAD = ["torch", "torch.distributed", "minidist"]
+# torch._dynamo is imported by the first optimizer.step(); preloading it saves ~6 s of CPU per rank per launch.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minidist"]
 _context: mp.context.BaseContext | None = None
 
 
