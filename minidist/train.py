@@ -611,7 +611,9 @@ def train_loop(run: Run) -> dict[str, Any]:
                             autocast=run.autocast, with_aux=moe is not None, loss_fn=run.loss_fn,
                             runner=run.runner, topo=run.topo)
         if moe is not None and run.mcfg.moe.bias_update_speed > 0:
-            moe.update_router_biases(run.model)
+            # Replicas must see the same expert loads, or their router biases (and so their models) drift apart.
+            replicas = run.topo.comm("dp_cp") if run.topo.size("dp_cp") > 1 else None
+            moe.update_router_biases(run.model, reduce_fn=replicas.all_reduce if replicas else None)
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
         seconds = time.perf_counter() - started
         record = make_record(run, step, lr, result, seconds, moe)
