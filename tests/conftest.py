@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # `exercises` and `solutions` are top-level packages of the repository, not of the installed minidist. Putting the
@@ -24,3 +25,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def impl(request: pytest.FixtureRequest) -> str:
     """The package name whose chapter modules tests/exercises grades ("solutions" or "exercises")."""
     return request.config.getoption("--impl")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny single-process runs: a second thread gains nothing, and OpenMP threads spin badly on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -16,14 +16,6 @@ from minidist.parallel import DataParallel, assign_buckets, check_batch_split, s
 
 WORLDS = (2, 4)
 
-
-@pytest.fixture
-def one_thread():
-    """Tiny single-process training runs faster (and steadier on a shared CPU) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 DP_CASES = ["naive_m1", "naive_m2", "bucketed_m1", "bucketed_m2", "overlap_m1", "overlap_m2"]
 
 

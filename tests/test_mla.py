@@ -22,14 +22,6 @@ from minidist.model.rope import apply_rotary, rope_cos_sin, rope_for_config
 MLA = dict(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and OpenMP threads spin badly when the CPU is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def mla_cfg(q_lora_rank=None, scaling=None, layout="half", **kw):
     return get_preset("tiny", d_model=64, n_heads=4, n_kv_heads=4, attention="mla", rope_layout=layout,

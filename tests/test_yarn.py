@@ -23,15 +23,6 @@ from minidist.model.rope import (
 )
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and OpenMP threads spin badly when the CPU is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def yarn_by_hand(d: int, base: float, s: float, L: int, beta_fast: float = 32.0, beta_slow: float = 1.0):
     """Peng et al. 2023 §3.2 with the reference code's ramp, written out from the formulas in numpy.
 

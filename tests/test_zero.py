@@ -21,14 +21,6 @@ STAGES = (0, 1, 2, 3)
 MICRO = (1, 2)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny single-process training runs faster (and steadier on a shared CPU) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def mean_losses(world: int, case: str) -> list[float]:
     per_rank = [r[case]["losses"] for r in dp_cases.results(world)]
