@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.data import BatchSampler, load_corpus
+from minidist.corpus import BatchSampler, load_corpus
 from minidist.launch import run_ranks
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.parallel import ZeroOptimizer, split_batch, storage_bytes

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import checkpoint, flops, health
-from minidist.data import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.model import ModelConfig, build_model, lm_loss
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.plots import plot_losses, read_metrics

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minidist.data import VOCAB_SIZE
+from minidist.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
 from minidist.optim import WarmupCosine
 

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from minidist.data import BatchSampler, load_corpus
+from minidist.corpus import BatchSampler, load_corpus
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 
 # Every layout of the course divides these: 4 heads, 2 KV heads, 4 layers, vocab 256, batch 8, seq 32.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from minidist import health, train
-from minidist.data import BatchSampler, load_corpus, unigram_entropy_nats
+from minidist.corpus import BatchSampler, load_corpus, unigram_entropy_nats
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.optim import WarmupCosine, build_optimizer, param_groups
 from minidist.train import ConfigError, TrainConfig, parse_config

@@ -4,7 +4,7 @@ Chapter 07, data parallelism: `DataParallel` (bucketed, overlapped gradient all-
 reduction) and `ZeroOptimizer` (ZeRO stages 0-3 over the "dp_cp" group of a Topology).
 """
 
-from minidist.parallel.data import (
+from minidist.parallel.data_parallel import (
     Bucket,
     DataParallel,
     Timeline,

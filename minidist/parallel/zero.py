@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from minidist.comm import Comm
-from minidist.parallel.data import DEFAULT_BUCKET_BYTES, Bucket, DataParallel, Timeline, assign_buckets
+from minidist.parallel.data_parallel import DEFAULT_BUCKET_BYTES, Bucket, DataParallel, Timeline, assign_buckets
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formulas

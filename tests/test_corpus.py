@@ -1,4 +1,4 @@
-"""Tests for minidist.data: tokenizer, corpus sources and splits, the deterministic sampler, the entropy baseline."""
+"""Tests for minidist.corpus: tokenizer, corpus sources and splits, the deterministic sampler, the entropy baseline."""
 
 import math
 from pathlib import Path
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from minidist import data
-from minidist.data import FILE_SEPARATOR, BatchSampler, ByteTokenizer, load_corpus
+from minidist import corpus
+from minidist.corpus import FILE_SEPARATOR, BatchSampler, ByteTokenizer, load_corpus
 
 SMALL = 400_000  # bytes of stdlib for the split tests: fast, yet a dozen files
 
@@ -26,14 +26,14 @@ def test_tokenizer_round_trip(text):
     tok = ByteTokenizer()
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8"))
-    assert all(0 <= i < data.VOCAB_SIZE for i in ids)
+    assert all(0 <= i < corpus.VOCAB_SIZE for i in ids)
     assert tok.decode(ids) == text
     assert tok.decode(torch.tensor(ids, dtype=torch.uint8)) == text
 
 
 def test_tokenizer_vocab_and_invalid_bytes():
     tok = ByteTokenizer()
-    assert tok.vocab_size == data.VOCAB_SIZE == 256
+    assert tok.vocab_size == corpus.VOCAB_SIZE == 256
     assert len(tok.encode("é")) == 2  # non-ASCII costs several tokens
     assert tok.decode([0x68, 0xFF, 0x69]) == "h\ufffdi"  # invalid UTF-8 is replaced, not raised
     with pytest.raises(ValueError, match="256"):
@@ -45,8 +45,8 @@ def test_tokenizer_vocab_and_invalid_bytes():
 
 
 def test_stdlib_files_exist_and_are_big_enough():
-    root = data.stdlib_root()
-    names = data.stdlib_files()
+    root = corpus.stdlib_root()
+    names = corpus.stdlib_files()
     assert len(names) > 100
     assert names == sorted(names)
     assert {"os.py", "json/decoder.py", "collections/__init__.py"} <= set(names)
@@ -59,9 +59,9 @@ def test_stdlib_files_exist_and_are_big_enough():
 
 
 def test_stdlib_corpus_split_by_file_and_deterministic():
-    data.clear_cache()
+    corpus.clear_cache()
     a = load_corpus(max_bytes=SMALL)
-    data.clear_cache()
+    corpus.clear_cache()
     b = load_corpus(max_bytes=SMALL)  # a fresh read, not the cache
     assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
     assert (a.train_files, a.val_files, a.description) == (b.train_files, b.val_files, b.description)
@@ -71,11 +71,11 @@ def test_stdlib_corpus_split_by_file_and_deterministic():
     assert not set(a.train_files) & set(a.val_files)
     # The cap keeps a prefix of the sorted file list.
     kept = sorted(a.train_files + a.val_files)
-    assert kept == data.stdlib_files()[: len(kept)]
+    assert kept == corpus.stdlib_files()[: len(kept)]
     assert a.train.numel() + a.val.numel() + len(FILE_SEPARATOR) <= SMALL
 
     # Each split is its files, read independently, joined with the separator.
-    root = data.stdlib_root()
+    root = corpus.stdlib_root()
     assert as_bytes(a.train) == FILE_SEPARATOR.join((root / n).read_bytes() for n in a.train_files)
     assert as_bytes(a.val) == FILE_SEPARATOR.join((root / n).read_bytes() for n in a.val_files)
     file_bytes = sum((root / n).stat().st_size for n in kept)
@@ -93,7 +93,7 @@ def test_stdlib_cache_returns_independent_tensors():
 def test_stdlib_cap_smaller_than_first_file():
     c = load_corpus(max_bytes=100, val_fraction=0.1)
     assert c.train.numel() + c.val.numel() == 100
-    first = (data.stdlib_root() / data.stdlib_files()[0]).read_bytes()[:100]
+    first = (corpus.stdlib_root() / corpus.stdlib_files()[0]).read_bytes()[:100]
     assert as_bytes(c.train) + as_bytes(c.val) == first
     assert c.val.numel() == 10
 
@@ -337,11 +337,11 @@ def test_sampler_on_a_loaded_corpus():
 
 def test_unigram_entropy_by_hand():
     t = torch.tensor([0, 0, 1, 2], dtype=torch.uint8)  # p = 1/2, 1/4, 1/4
-    assert data.unigram_entropy_bits(t) == pytest.approx(1.5)
-    assert data.unigram_entropy_nats(t) == pytest.approx(1.5 * math.log(2))
+    assert corpus.unigram_entropy_bits(t) == pytest.approx(1.5)
+    assert corpus.unigram_entropy_nats(t) == pytest.approx(1.5 * math.log(2))
     t = torch.tensor([7, 7, 7, 200])  # p = 3/4, 1/4
-    assert data.unigram_entropy_bits(t) == pytest.approx(-(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
-    assert data.unigram_entropy_bits(torch.full((5,), 42)) == 0.0
-    assert data.unigram_entropy_bits(torch.arange(256).repeat(3)) == pytest.approx(8.0)
+    assert corpus.unigram_entropy_bits(t) == pytest.approx(-(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
+    assert corpus.unigram_entropy_bits(torch.full((5,), 42)) == 0.0
+    assert corpus.unigram_entropy_bits(torch.arange(256).repeat(3)) == pytest.approx(8.0)
     with pytest.raises(ValueError, match="empty"):
-        data.unigram_entropy_bits(torch.empty(0, dtype=torch.uint8))
+        corpus.unigram_entropy_bits(torch.empty(0, dtype=torch.uint8))

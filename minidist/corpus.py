@@ -307,7 +307,7 @@ def _cap_user_split(split: _Split, desc: str, max_bytes: int) -> tuple[_Split, s
 
 def _step_seed(seed: int, step: int) -> int:
     # Hash (seed, step) into a 63-bit generator seed: neighbouring seeds/steps give unrelated streams.
-    digest = hashlib.blake2b(f"minidist.data:{seed}:{step}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"minidist.corpus:{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & ((1 << 63) - 1)
 
 
