@@ -1,15 +1,8 @@
 """Every byte the course sends goes through here, and is written in a ledger.
 
-Three parts:
-
-1. `Ledger` and `Comm`: a `Comm` wraps one process group and one ledger; each collective or point-to-point call is
-   forwarded to torch.distributed and recorded as (op, group name) -> calls, bytes sent by this rank.
-2. Hand-built collectives from point-to-point messages: `ring_reduce_scatter`, `ring_all_gather`, `ring_all_reduce`
-   (Patarasuk & Yuan 2009), `pairwise_all_to_all`, and `naive_all_reduce` (gather to one rank, reduce, send back)
-   for contrast. They take a Comm, whose ledger records the bytes their messages actually carried, or a bare
-   process group (None: the world).
-3. The α-β cost model (Hockney; Thakur, Rabenseifner & Gropp 2005): time = α·steps + β·bytes sent per rank, and a
-   least-squares fit of α and β from measured timings.
+A `Comm` wraps one process group and one `Ledger`; each collective or point-to-point call is forwarded to
+torch.distributed and recorded as (op, group name) -> calls, bytes sent by this rank. The collectives built by hand
+from point-to-point messages live in `minidist.p2p_collectives`, the α-β cost model in `minidist.cost_model`.
 
 What "bytes sent per rank" means for the torch collectives
 -----------------------------------------------------------
@@ -30,8 +23,8 @@ tensor for all-reduce and broadcast); rank r sends to r+1 and receives from r-1.
 When p divides the chunked dimension, these are exactly the textbook figures: all-reduce 2(p-1)/p·M, all-gather and
 reduce-scatter (p-1)/p·M, broadcast 2(p-1)/p·M on the source and (p-1)/p·M elsewhere. Otherwise they are the exact
 integer counts of the ring with uneven chunks; summed over the ranks they are always 2(p-1)·M and (p-1)·M. A group
-of one rank sends nothing (calls are still counted). The hand-built ring functions below use the same chunks and
-schedule, so their measured ledger entries equal these formulas exactly.
+of one rank sends nothing (calls are still counted). The hand-built ring functions of `minidist.p2p_collectives`
+use the same chunks and schedule, so their measured ledger entries equal these formulas exactly.
 """
 
 from __future__ import annotations
@@ -226,7 +219,7 @@ class Comm:
         reduce_op = self._reduce_op(op)
         if tensor.shape[0] % self.size != 0:
             raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size "
-                             f"{self.size}; pad it, or use ring_reduce_scatter for uneven chunks")
+                             f"{self.size}; pad it, or use p2p_collectives.ring_reduce_scatter for uneven chunks")
         if out is None:
             out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
         self.ledger.record("reduce_scatter", self.name,
@@ -317,233 +310,20 @@ class Comm:
         for t, _ in sends:
             if t.numel() > 0:
                 self.ledger.record("send", self.name, _nbytes(t))
-        handles, _ = _post(self, sends, recvs)
+        handles, _ = self.post_unrecorded(sends, recvs)
         return handles
 
+    def post_unrecorded(self, sends: Iterable[tuple[torch.Tensor, int]],
+                        recvs: Iterable[tuple[torch.Tensor, int]]) -> tuple[list[Handle], int]:
+        """Post the non-empty messages like `exchange`, record nothing, and return (handles, bytes sent).
 
-def _post(comm: Comm, sends: Iterable[tuple[torch.Tensor, int]],
-          recvs: Iterable[tuple[torch.Tensor, int]]) -> tuple[list[Handle], int]:
-    """Post non-empty messages without recording them; return their handles and the bytes sent."""
-    sends = [(t.contiguous(), peer) for t, peer in sends if t.numel() > 0]
-    recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
-    # Receives first: a receive posted before the matching data arrives lets it land in place.
-    ops = [dist.P2POp(dist.irecv, t, comm.global_rank(peer), comm.group) for t, peer in recvs]
-    ops += [dist.P2POp(dist.isend, t, comm.global_rank(peer), comm.group) for t, peer in sends]
-    if not ops:
-        return [], 0
-    return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)
-
-
-def _wait_all(handles: list[Handle]) -> None:
-    for h in handles:
-        h.wait()
-
-
-CommLike = Comm | dist.ProcessGroup | None
-
-
-def _as_comm(comm: CommLike) -> Comm:
-    """The hand-built collectives take a Comm (whose ledger records them) or a bare group (None: the world)."""
-    return comm if isinstance(comm, Comm) else Comm(comm)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hand-built collectives (Patarasuk & Yuan 2009: the ring is bandwidth optimal)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _ring_step(comm: Comm, send: torch.Tensor, recv: torch.Tensor) -> int:
-    """Send `send` to the next rank while receiving `recv` from the previous one; return the bytes sent."""
-    p, r = comm.size, comm.rank
-    handles, sent = _post(comm, [(send, (r + 1) % p)], [(recv, (r - 1) % p)])
-    _wait_all(handles)
-    return sent
-
-
-def _reduce_scatter_phase(chunks: Sequence[torch.Tensor], comm: Comm) -> int:
-    """Ring reduce-scatter over `chunks` in place: afterwards chunk r of rank r holds the sum. Returns bytes sent.
-
-    Step s: rank r sends chunk r-s-1 (its running sum) to r+1, receives chunk r-s-2 from r-1 and adds its own.
-    """
-    p, r = comm.size, comm.rank
-    sent = 0
-    for s in range(p - 1):
-        target = chunks[(r - s - 2) % p]
-        incoming = torch.empty_like(target)
-        sent += _ring_step(comm, chunks[(r - s - 1) % p], incoming)
-        target.add_(incoming)
-    return sent
-
-
-def _all_gather_phase(chunks: Sequence[torch.Tensor], comm: Comm) -> int:
-    """Ring all-gather over `chunks` in place, rank r starting with chunk r. Returns bytes sent.
-
-    Step s: rank r forwards chunk r-s to r+1 and receives chunk r-s-1 from r-1 straight into place.
-    """
-    p, r = comm.size, comm.rank
-    sent = 0
-    for s in range(p - 1):
-        sent += _ring_step(comm, chunks[(r - s) % p], chunks[(r - s - 1) % p])
-    return sent
-
-
-def ring_reduce_scatter(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
-    """Sum `tensor` over the group; return chunk `comm.rank` of `torch.tensor_split(sum, p, dim=0)` (any dim-0 size).
-
-    `tensor` is left unchanged. Ledger ("ring_reduce_scatter"): the bytes actually sent, M - |c_r|.
-    """
-    comm = _as_comm(comm)
-    work = tensor.contiguous().clone()
-    chunks = torch.tensor_split(work, comm.size, dim=0)
-    sent = _reduce_scatter_phase(chunks, comm) if comm.size > 1 else 0
-    comm.ledger.record("ring_reduce_scatter", comm.name, sent)
-    return chunks[comm.rank].clone()
-
-
-def ring_all_gather(tensor: torch.Tensor, comm: CommLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along dim 0.
-
-    `sizes[j]` is rank j's dim-0 size; by default every rank's is the same. Uneven sizes make this the inverse of
-    `ring_reduce_scatter`. Ledger ("ring_all_gather"): the bytes actually sent, M - |c_r+1| (M = the output).
-    """
-    comm = _as_comm(comm)
-    p, r = comm.size, comm.rank
-    sizes = [tensor.shape[0]] * p if sizes is None else list(sizes)
-    if len(sizes) != p or sizes[r] != tensor.shape[0]:
-        raise ValueError(f"sizes {sizes} must have {p} entries with sizes[{r}] = this rank's dim 0 ({tensor.shape[0]})")
-    out = tensor.new_empty((sum(sizes), *tensor.shape[1:]))
-    chunks = torch.split(out, sizes, dim=0)
-    chunks[r].copy_(tensor)
-    sent = _all_gather_phase(chunks, comm) if p > 1 else 0
-    comm.ledger.record("ring_all_gather", comm.name, sent)
-    return out
-
-
-def ring_all_reduce(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
-    """Sum `tensor` (contiguous, any size) over the group in place and return it: reduce-scatter + all-gather.
-
-    Ledger ("ring_all_reduce"): the bytes actually sent, 2M - |c_r| - |c_r+1| (= 2(p-1)/p·M when p divides numel).
-    """
-    comm = _as_comm(comm)
-    if not tensor.is_contiguous():
-        raise ValueError("ring_all_reduce works in place and needs a contiguous tensor; pass tensor.contiguous()")
-    chunks = torch.tensor_split(tensor.view(-1), comm.size)
-    sent = 0
-    if comm.size > 1:
-        sent = _reduce_scatter_phase(chunks, comm) + _all_gather_phase(chunks, comm)
-    comm.ledger.record("ring_all_reduce", comm.name, sent)
-    return tensor
-
-
-def naive_all_reduce(tensor: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
-    """Sum in place by gathering everything on group rank 0, adding, and sending the sum back to each rank.
-
-    Rank 0 sends (p-1)·M bytes and every other rank M: the root's link carries p/2 times what a ring rank sends.
-    Ledger ("naive_all_reduce"): the bytes actually sent.
-    """
-    comm = _as_comm(comm)
-    p, r = comm.size, comm.rank
-    sent = 0
-    if p > 1:
-        if r == 0:
-            incoming = torch.empty_like(tensor)
-            for src in range(1, p):
-                _wait_all(_post(comm, [], [(incoming, src)])[0])
-                tensor.add_(incoming)
-            handles, sent = _post(comm, [(tensor, dst) for dst in range(1, p)], [])
-            _wait_all(handles)
-        else:
-            handles, sent = _post(comm, [(tensor, 0)], [])
-            _wait_all(handles)
-            _wait_all(_post(comm, [], [(tensor, 0)])[0])
-    comm.ledger.record("naive_all_reduce", comm.name, sent)
-    return tensor
-
-
-def pairwise_all_to_all(tensor: torch.Tensor, comm: CommLike, in_splits: Sequence[int],
-                        out_splits: Sequence[int]) -> torch.Tensor:
-    """All-to-all from point-to-point messages: at step s, send to rank r+s and receive from rank r-s.
-
-    Same meaning as `Comm.all_to_all`. Ledger ("pairwise_all_to_all"): the bytes actually sent.
-    """
-    comm = _as_comm(comm)
-    p, r = comm.size, comm.rank
-    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
-    pieces_in = torch.split(tensor.contiguous(), list(in_splits), dim=0)
-    pieces_out = torch.split(out, list(out_splits), dim=0)
-    pieces_out[r].copy_(pieces_in[r])
-    sent = 0
-    for s in range(1, p):
-        dst, src = (r + s) % p, (r - s) % p
-        handles, n = _post(comm, [(pieces_in[dst], dst)], [(pieces_out[src], src)])
-        _wait_all(handles)
-        sent += n
-    comm.ledger.record("pairwise_all_to_all", comm.name, sent)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# α-β cost model
-# ---------------------------------------------------------------------------------------------------------------
-
-_ALIASES = {"ring_all_reduce": "all_reduce", "ring_all_gather": "all_gather",
-            "ring_reduce_scatter": "reduce_scatter", "pairwise_all_to_all": "all_to_all"}
-
-
-def cost_terms(op: str, nbytes: float, p: int) -> tuple[float, float]:
-    """(steps, bytes) on one rank's critical path for collective `op` on M = `nbytes` over p ranks.
-
-    Every step pays a latency α; every byte a rank sends pays β (one link per rank, full duplex; the reduction's
-    arithmetic is ignored). M is the full tensor, as in the ledger.
-
-        all_reduce (ring)   2(p-1) steps, 2(p-1)/p·M     reduce_scatter, all_gather   (p-1), (p-1)/p·M
-        naive_all_reduce    2(p-1) steps, 2(p-1)·M       (the root receives p-1 tensors, then sends p-1, one by one)
-        broadcast           2(p-1) steps, 2(p-1)/p·M     (scatter then ring all-gather)
-        all_to_all          (p-1) steps, (p-1)/p·M       (pairwise exchange)      send   1 step, M
-    """
-    op = _ALIASES.get(op, op)
-    if p < 1:
-        raise ValueError(f"p must be >= 1, got {p}")
-    if p == 1:
-        return 0.0, 0.0
-    table = {
-        "all_reduce": (2 * (p - 1), 2 * (p - 1) / p),
-        "reduce_scatter": (p - 1, (p - 1) / p),
-        "all_gather": (p - 1, (p - 1) / p),
-        "naive_all_reduce": (2 * (p - 1), 2 * (p - 1)),
-        "broadcast": (2 * (p - 1), 2 * (p - 1) / p),
-        "all_to_all": (p - 1, (p - 1) / p),
-        "send": (1, 1),
-    }
-    if op not in table:
-        raise ValueError(f"no cost model for {op!r}; expected one of {sorted(table) + sorted(_ALIASES)}")
-    steps, factor = table[op]
-    return float(steps), factor * nbytes
-
-
-def alpha_beta_time(op: str, nbytes: float, p: int, alpha: float, beta: float) -> float:
-    """Predicted seconds: α·steps + β·bytes (see `cost_terms`); α in seconds, β in seconds per byte."""
-    steps, sent = cost_terms(op, nbytes, p)
-    return alpha * steps + beta * sent
-
-
-def fit_alpha_beta(samples: Iterable[tuple[str, float, int, float]]) -> tuple[float, float]:
-    """Fit (α, β) to measured (op, nbytes, p, seconds) by least squares on the relative error.
-
-    Relative error, because timings span orders of magnitude and a plain fit would ignore the small messages that
-    determine α. Both coefficients are kept non-negative (a negative one is set to 0 and the other refitted).
-    """
-    rows, times = [], []
-    for op, nbytes, p, seconds in samples:
-        steps, sent = cost_terms(op, nbytes, p)
-        rows.append((steps / seconds, sent / seconds))
-        times.append(1.0)
-    a, y = np.array(rows, dtype=np.float64), np.array(times)
-    if len(a) < 2:
-        raise ValueError(f"fit_alpha_beta needs at least 2 timings, got {len(a)}")
-    (alpha, beta), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if alpha < 0 or beta < 0:
-        col = 1 if alpha < 0 else 0  # keep only the other term
-        coef = float(a[:, col] @ y / (a[:, col] @ a[:, col]))
-        alpha, beta = (0.0, coef) if col == 1 else (coef, 0.0)
-    return float(alpha), float(beta)
+        For callers that record the bytes themselves under their own op name (the hand-built collectives).
+        """
+        sends = [(t.contiguous(), peer) for t, peer in sends if t.numel() > 0]
+        recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
+        # Receives first: a receive posted before the matching data arrives lets it land in place.
+        ops = [dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group) for t, peer in recvs]
+        ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group) for t, peer in sends]
+        if not ops:
+            return [], 0
+        return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)

@@ -1,4 +1,5 @@
-"""minidist.comm: ring collectives agree with torch's, the ledger's bytes equal the formulas exactly, the cost model.
+"""minidist.comm, p2p_collectives and cost_model: ring collectives agree with torch's, the ledger's bytes equal
+the formulas exactly, the cost model.
 
 One launch per world size (2, 3, 4) runs every multi-rank case and returns (category, label, got, expected) rows;
 the tests below check one category each. Inputs are integer-valued, so every sum is exact and comparisons are
@@ -13,21 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.comm import (
-    Comm,
-    Ledger,
-    alpha_beta_time,
-    chunk_sizes,
-    cost_terms,
-    fit_alpha_beta,
+from minidist.comm import Comm, Ledger, chunk_sizes, ring_bytes_sent
+from minidist.cost_model import alpha_beta_time, cost_terms, fit_alpha_beta
+from minidist.launch import run_ranks
+from minidist.p2p_collectives import (
     naive_all_reduce,
     pairwise_all_to_all,
     ring_all_gather,
     ring_all_reduce,
-    ring_bytes_sent,
     ring_reduce_scatter,
 )
-from minidist.launch import run_ranks
 
 SIZES = [1, 7, 13, 1001]  # none divisible by 2, 3 and 4 at once; 1 is smaller than every group
 
