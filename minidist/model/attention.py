@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from minidist.model.config import ModelConfig
@@ -37,16 +38,16 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        # Split heads; their number h follows from the weight shape (fewer on a tensor-parallel rank).
+        q = rearrange(self.wq(x), "b t (h d) -> b h t d", d=self.head_dim)
+        k = rearrange(self.wk(x), "b t (h d) -> b h t d", d=self.head_dim)
+        v = rearrange(self.wv(x), "b t (h d) -> b h t d", d=self.head_dim)
         if rope is not None:
             cos, sin = rope
             q = apply_rotary(q, cos, sin, self.rope_layout)
             k = apply_rotary(k, cos, sin, self.rope_layout)
         y = causal_attention(q, k, v)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 
 def build_attention(cfg: ModelConfig) -> nn.Module:

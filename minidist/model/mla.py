@@ -27,6 +27,7 @@ import math
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from minidist.model.config import ModelConfig
@@ -85,9 +86,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _queries(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope [B, H, T, nope] and rotated q_rope [B, H, T, rope]."""
-        batch, seq, _ = x.shape
         q = nn.functional.linear(self._query_input(x), self._query_weight())
-        q = q.view(batch, seq, self.n_heads, -1).transpose(1, 2)
+        q = rearrange(q, "b t (h e) -> b h t e", h=self.n_heads)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         return q_nope, self._rotate(q_rope, rope)
 
@@ -106,16 +106,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         """Naive path: expand the latents into per-head keys and values, then ordinary causal attention."""
-        batch, seq, _ = x.shape
         heads = self.n_heads
         q_nope, q_rope = self._queries(x, rope)
         c_kv, k_rope = self._latents(x, rope)
-        kv = self.wkv_b(c_kv).view(batch, seq, heads, self.nope + self.v_dim).transpose(1, 2)
+        kv = rearrange(self.wkv_b(c_kv), "b t (h e) -> b h t e", h=heads)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, heads, -1, -1)), dim=-1)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
+        return self.wo(rearrange(y, "b h t v -> b t (h v)"))
 
     # -- inference / absorbed path --------------------------------------------------------------------------------
 
@@ -126,11 +125,11 @@ class MultiHeadLatentAttention(nn.Module):
         W_o_latent[:, h] = W_O,h · W_UV,h maps head h's latent-space output straight to the residual stream.
         """
         heads = self.n_heads
-        w_kv_b = self.wkv_b.weight.view(heads, self.nope + self.v_dim, self.kv_rank)
+        w_kv_b = rearrange(self.wkv_b.weight, "(h e) r -> h e r", h=heads)
         w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
-        w_q = self._query_weight().view(heads, self.nope + self.rope_dim, -1)[:, : self.nope]  # [H, nope, q_in]
+        w_q = rearrange(self._query_weight(), "(h e) i -> h e i", h=heads)[:, : self.nope]  # [H, nope, q_in]
         w_q_latent = torch.einsum("hnr,hni->hri", w_uk, w_q)
-        w_o = self.wo.weight.view(-1, heads, self.v_dim)  # [d, H, v]
+        w_o = rearrange(self.wo.weight, "d (h v) -> d h v", h=heads)
         w_o_latent = torch.einsum("dhv,hvr->dhr", w_o, w_uv)
         return w_q_latent, w_o_latent
 
@@ -145,7 +144,7 @@ class MultiHeadLatentAttention(nn.Module):
         batch, seq, _ = x.shape
         q_in = self._query_input(x)
         q_latent = torch.einsum("bti,hri->bhtr", q_in, w_q_latent)
-        w_q_rope = self._query_weight().view(self.n_heads, self.nope + self.rope_dim, -1)[:, self.nope:]
+        w_q_rope = rearrange(self._query_weight(), "(h e) i -> h e i", h=self.n_heads)[:, self.nope:]
         q_rope = self._rotate(torch.einsum("bti,hpi->bhtp", q_in, w_q_rope), rope)
         c_kv, k_rope = self._latents(x, rope)
         if cache is not None:
