@@ -238,3 +238,18 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 2048, dev
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return 2.0 * size**3 / min(times)
+
+
+def peak_flops_for_device(device: torch.device, dtype: str = "fp32", override: float = 0.0) -> tuple[float, str]:
+    """Peak FLOP/s of one device for MFU, and where the number comes from: `override` if set, the datasheet for a
+    known GPU, else a measured matmul peak (a CPU has no datasheet figure that fits)."""
+    if override:
+        return override, "the peak set by --peak-flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for chip, key in (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("A100", "A100")):
+            if chip in name:
+                return peak_flops(key), f"datasheet dense bf16 peak of {key} ({name})"
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    peak = measure_peak_flops(torch_dtype, size=1024, device=device)
+    return peak, f"measured {'CPU' if device.type == 'cpu' else device.type} matmul peak (1024^3, {dtype})"

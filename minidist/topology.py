@@ -201,14 +201,6 @@ class Topology:
         i = self.coords["pp"]
         return self._ranks["pp"][i + 1] if i + 1 < self.dims.pp else None
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords["pp"] == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords["pp"] == self.dims.pp - 1
-
     def _check(self, name: str) -> None:
         if name not in GROUP_NAMES:
             raise ValueError(f"unknown group {name!r}; expected one of {GROUP_NAMES}")

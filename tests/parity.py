@@ -1,4 +1,4 @@
-"""The single-device reference that every parallel layout must reproduce (DESIGN §2: parity is the law).
+"""The single-device reference that every parallel layout must reproduce (parity is the law: docs/ARCHITECTURE.md).
 
 One model, seed, data order and optimizer. A parallel test runs the same steps under its layout and compares:
 the loss of every step (the mean over the whole global batch) and the full gradient of the first step (gathered

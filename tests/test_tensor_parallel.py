@@ -29,13 +29,10 @@ from minidist.comm import Ledger
 from minidist.init import init_value
 from minidist.launch import run_ranks
 from minidist.model import build_model
+from minidist.parallel.layout import clip_grad_norm_, full_tensor, gather_full, placement_of
 from minidist.parallel.tensor import (
     apply_tensor_parallel,
-    clip_tp_grad_norm_,
-    clip_zero_tp_grad_norm_,
     expected_tp_traffic,
-    full_tensor,
-    gather_full,
     tensor_parallel_plan,
     validate_tensor_parallel,
 )
@@ -78,7 +75,7 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
                        for name, full in gather_full(model, quiet).items())
     optimizer = make_optimizer(model.parameters())
     zero = ZeroOptimizer(model, optimizer, dp_comm, stage=1) if dp > 1 else None
-    layouts = {name: param.tp_layout for name, param in model.named_parameters()}
+    splits = {name: placement_of(param).splits["tp"] for name, param in model.named_parameters()}
     losses, norms, grads, traffic = [], [], {}, {}
     rows = GLOBAL_BATCH // dp
     first = topo.coord("dp") * rows
@@ -92,13 +89,14 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
         if zero is None:
             if step == 0:
                 grads = gather_full(model, quiet, grads=True)
-            norms.append(clip_tp_grad_norm_(model, GRAD_CLIP, quiet))
+            pieces = [(p.grad, placement_of(p)) for p in model.parameters() if p.grad is not None]
+            norms.append(clip_grad_norm_(pieces, GRAD_CLIP, {"tp": quiet}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:  # ZeRO-1 over dp_cp: this tp shard's gradients averaged over dp, optimizer state sharded over dp
             if step == 0:
-                grads = {n: full_tensor(g, layouts[n], quiet) for n, g in zero.full_gradients().items()}
-            norms.append(clip_zero_tp_grad_norm_(zero, GRAD_CLIP, quiet))
+                grads = {n: full_tensor(g, splits[n], quiet) for n, g in zero.full_gradients().items()}
+            norms.append(zero.clip_grad_norm(GRAD_CLIP, {"tp": quiet}))
             zero.step()
             zero.zero_grad()
         mean_loss = loss.detach().clone()

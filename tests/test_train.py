@@ -12,9 +12,20 @@ from torch import nn
 
 from minidist import health, train
 from minidist.corpus import BatchSampler, load_corpus, unigram_entropy_nats
+from minidist.distributed import resolve_parallel_dims
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.optim import WarmupCosine, build_optimizer, param_groups
-from minidist.train import ConfigError, TrainConfig, parse_config
+from minidist.parallel import ParallelModel, clip_grad_norm_, placement_of
+from minidist.topology import ParallelDims
+from minidist.train_config import (
+    FLAGS,
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    config_from_values,
+    config_to_values,
+    parse_config,
+)
 
 SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 
@@ -52,12 +63,12 @@ def test_toml_then_flags_then_set(tmp_path):
 
 def test_config_round_trips_through_toml_values():
     cfg = TrainConfig(model="small", model_overrides={"n_layers": 2, "moe": {"n_experts": 4}}, steps=9)
-    assert train.config_from_values(train.config_to_values(cfg)) == cfg
+    assert config_from_values(config_to_values(cfg)) == cfg
 
 
 def test_help_names_every_flag():
-    text = train.build_parser().format_help()
-    for flag, _ in train.FLAGS:
+    text = build_parser().format_help()
+    for flag, _ in FLAGS:
         assert flag in text
     for flag in ("--config", "--resume", "--set", "--microbatches", "--zero", "--dtype"):
         assert flag in text
@@ -93,17 +104,17 @@ def test_cli_config_error_exits_2_with_one_line():
 
 def test_parallel_flags_checked_against_world_size():
     with pytest.raises(ConfigError, match=r"^--cp 2: context parallelism is not available yet \(chapter 10\)$"):
-        train.resolve_parallel_dims(TrainConfig(cp=2), world_size=2)
+        resolve_parallel_dims(TrainConfig(cp=2), world_size=2)
     cfg = TrainConfig(tp=2)
     with pytest.raises(ConfigError, match="does not fit 3 ranks"):
-        train.resolve_parallel_dims(cfg, world_size=3)
+        resolve_parallel_dims(cfg, world_size=3)
     # Chapters 08-09: dp is what tp and pp leave of the world size.
-    assert train.resolve_parallel_dims(TrainConfig(tp=2, pp=2), world_size=8) == train.ParallelDims(dp=2, tp=2, pp=2)
+    assert resolve_parallel_dims(TrainConfig(tp=2, pp=2), world_size=8) == ParallelDims(dp=2, tp=2, pp=2)
     # Chapter 07: dp defaults to the world size; the global batch must split into dp x microbatches.
-    assert train.resolve_parallel_dims(TrainConfig(zero=3), world_size=4) == train.ParallelDims(dp=4)
+    assert resolve_parallel_dims(TrainConfig(zero=3), world_size=4) == ParallelDims(dp=4)
     with pytest.raises(ConfigError, match=r"not divisible by dp\*microbatches = 4\*1"):
-        train.resolve_parallel_dims(TrainConfig(batch_size=6), world_size=4)
-    assert train.resolve_parallel_dims(TrainConfig(), world_size=1) == train.ParallelDims()
+        resolve_parallel_dims(TrainConfig(batch_size=6), world_size=4)
+    assert resolve_parallel_dims(TrainConfig(), world_size=1) == ParallelDims()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -127,8 +138,29 @@ def test_gradient_accumulation_equals_full_batch(microbatches):
     model.zero_grad(set_to_none=True)
 
     batches = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
-    loss, _ = train.forward_backward(model, batches)
-    assert loss == pytest.approx(reference.item(), rel=1e-6)
+    losses = ParallelModel(model, build_optimizer(model, lr=1e-3, weight_decay=0.1)).forward_backward(batches)
+    assert losses.loss == pytest.approx(reference.item(), rel=1e-6)
+    for got, want in zip(_grads(model), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_normalizes_by_the_global_token_count():
+    """Micro-batches with different numbers of ignored targets (padding): the accumulated gradient is still the
+    gradient of the mean over every counted token of the batch, not a mean of per-micro-batch means."""
+    model = build_model(get_preset("tiny", **SMALL_MODEL), seed=3)
+    g = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, 256, (4, 32), generator=g)
+    targets = torch.randint(0, 256, (4, 32), generator=g)
+    targets[0, 4:] = -100  # row 0 counts 4 tokens, the others 32
+    targets[3, 20:] = -100
+    reference = lm_loss(model(inputs), targets)
+    reference.backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    batches = list(zip(inputs.chunk(2), targets.chunk(2)))  # 36 and 52 counted tokens
+    losses = ParallelModel(model, build_optimizer(model, lr=1e-3, weight_decay=0.1)).forward_backward(batches)
+    assert losses.loss == pytest.approx(reference.item(), rel=1e-6)
     for got, want in zip(_grads(model), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
@@ -137,10 +169,11 @@ def test_clip_grad_norm_reports_the_norm_before_clipping():
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])
     params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
-    assert train.clip_grad_norm(params, max_norm=1.0) == pytest.approx(5.0)
+    pieces = [(p.grad, placement_of(p)) for p in params]
+    assert clip_grad_norm_(pieces, 1.0, {}) == pytest.approx(5.0)
     total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params))
     assert total == pytest.approx(1.0, rel=1e-5)
-    assert train.clip_grad_norm(params, max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measure only
+    assert clip_grad_norm_(pieces, 0.0, {}) == pytest.approx(1.0, rel=1e-5)  # 0: measure only
 
 
 def test_param_groups_decay_only_matrices():
@@ -265,7 +298,7 @@ def test_nan_guard_runs_before_the_update():
     before = [p.clone() for p in model.parameters()]
     batch = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
     with pytest.raises(health.TrainingDiverged, match="step 7"):
-        train.train_step(model, optimizer, batch, step=7, grad_clip=1.0)
+        train.train_step(ParallelModel(model, optimizer), batch, step=7, grad_clip=1.0)
     assert not optimizer.state  # no update happened
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.nan_to_num(), q.nan_to_num())

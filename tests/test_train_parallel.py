@@ -122,7 +122,7 @@ def test_tp_pp_run_resumes_exactly(results) -> None:
 
 def _error(world: int, **changes) -> str:
     with pytest.raises(ConfigError) as info:
-        train.resolve_parallel_dims(config("unused", **changes), world)
+        resolve_parallel_dims(config("unused", **changes), world)
     message = str(info.value)
     assert "\n" not in message
     return message

@@ -1,7 +1,10 @@
-"""Parallelisms as transformations of a built model and a rank grid (DESIGN §2).
+"""Parallelisms as transformations of a built model and a rank grid.
 
-Chapter 07, data parallelism: `DataParallel` (bucketed, overlapped gradient all-reduce, accumulation, fp32
-reduction) and `ZeroOptimizer` (ZeRO stages 0-3 over the "dp_cp" group of a Topology).
+`parallelize` (parallelize.py) is the one assembly: it applies tensor (tensor.py, vocab.py; chapter 08), pipeline
+(pipeline.py, schedules.py; chapter 09) and data parallelism with ZeRO (data_parallel.py, zero.py; chapter 07) in
+one documented order and returns a `ParallelModel`, the object a training loop talks to. Every parameter records
+where it lives (`layout.Placement`), and the one gradient norm of the package (`layout.clip_grad_norm_`) reads it.
+docs/ARCHITECTURE.md draws the map.
 """
 
 from minidist.parallel.data_parallel import (
@@ -13,9 +16,21 @@ from minidist.parallel.data_parallel import (
     check_batch_split,
     split_batch,
 )
+from minidist.parallel.layout import Placement, Split, clip_grad_norm_, grad_norm, placement_of
+from minidist.parallel.parallelize import ParallelModel, ParallelOptions, StepLosses, count_targets, parallelize
 from minidist.parallel.zero import ZeroOptimizer, default_units, storage_bytes, zero_comm_bytes, zero_memory_bytes
 
 __all__ = [
+    "ParallelModel",
+    "ParallelOptions",
+    "Placement",
+    "Split",
+    "StepLosses",
+    "clip_grad_norm_",
+    "count_targets",
+    "grad_norm",
+    "parallelize",
+    "placement_of",
     "Bucket",
     "DataParallel",
     "Timeline",

@@ -21,8 +21,9 @@ under sequence parallelism, key/value heads replicated because tp > n_kv_heads, 
 get a gradient hook that sums it: f applied to the parameter itself. MoE layers are not supported yet (one-line
 error; chapter 11 shards experts instead).
 
-Where each shard sits (`TPLayout`), full tensors from shards and gradient norms over shards are in
-`minidist.parallel.sharded` (re-exported here); the vocabulary split is in `minidist.parallel.vocab`.
+Every parameter records where its slice sits in the full tensor (`param.placement`, a
+`minidist.parallel.layout.Placement` with a "tp" `Split`); the gradient norm and full tensors read that record
+(`minidist.parallel.layout`). The vocabulary split is in `minidist.parallel.vocab`.
 """
 
 from __future__ import annotations
@@ -38,24 +39,13 @@ from minidist.model.attention import GroupedQueryAttention
 from minidist.model.config import ModelConfig
 from minidist.model.layers import GeluMLP, SwiGLU
 from minidist.model.mla import MultiHeadLatentAttention
-from minidist.parallel.sharded import (
-    TPLayout,
-    clip_tp_grad_norm_,
-    clip_zero_tp_grad_norm_,
-    full_tensor,
-    gather_full,
-    load_full,
-    narrow,
-    sharded_grad_norm,
-    tp_grad_norm,
-)
+from minidist.parallel.layout import Split, narrow, placement_of, set_split
 from minidist.parallel.vocab import VocabParallelEmbedding, vocab_parallel_lm_loss, vocab_range
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "TPLayout", "apply_tensor_parallel", "clip_tp_grad_norm_",
-    "clip_zero_tp_grad_norm_", "copy_to_tp", "expected_tp_traffic", "full_tensor", "gather_full", "gather_sequence",
-    "load_full", "reduce_from_tp", "reduce_scatter_sequence", "sharded_grad_norm", "tensor_parallel_plan",
-    "tp_grad_norm", "validate_tensor_parallel", "vocab_parallel_lm_loss",
+    "ColumnParallelLinear", "RowParallelLinear", "apply_tensor_parallel", "copy_to_tp", "expected_tp_traffic",
+    "gather_sequence", "reduce_from_tp", "reduce_scatter_sequence", "tensor_parallel_plan", "validate_tensor_parallel",
+    "vocab_parallel_lm_loss",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,12 +134,12 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dty
     return _ReduceScatterSequence.apply(x, comm, reduce_dtype)
 
 
-def _shard(param: nn.Parameter | None, layout: TPLayout) -> nn.Parameter | None:
-    """A new Parameter holding this rank's slice (a copy: the full tensor can be freed)."""
+def _shard(param: nn.Parameter | None, split: Split) -> nn.Parameter | None:
+    """A new Parameter holding this rank's slice (a copy: the full tensor can be freed), with its placement."""
     if param is None:
         return None
-    shard = nn.Parameter(narrow(param.detach(), layout).clone(), requires_grad=param.requires_grad)
-    shard.tp_layout = layout
+    shard = nn.Parameter(narrow(param.detach(), split).clone(), requires_grad=param.requires_grad)
+    set_split(shard, "tp", split, param.shape)
     return shard
 
 
@@ -161,13 +151,13 @@ def _sum_grad_over_tp(param: nn.Parameter, comm: Comm) -> None:
 def _sum_grad_over_replicas(param: nn.Parameter, comm: Comm) -> None:
     """Sum the gradient over the tp ranks holding the same slice (replicated kv heads), with one all-reduce over
     the whole tp group: each rank writes its gradient into its slot of a full-size buffer, zeros elsewhere."""
-    layout: TPLayout = param.tp_layout
+    split = placement_of(param).splits["tp"]
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        buffer = grad.new_zeros((layout.parts, *grad.shape))
-        buffer[layout.index] = grad
+        buffer = grad.new_zeros((split.parts, *grad.shape))
+        buffer[split.index] = grad
         comm.all_reduce(buffer)
-        return buffer[layout.index]
+        return buffer[split.index]
 
     param.register_hook(hook)
 
@@ -181,10 +171,10 @@ class ColumnParallelLinear(nn.Linear):
     """A slice of a linear's output features (weight and bias split by rows). No communication of its own: the
     input reaches it through the region's entry (f, or an all-gather along the sequence)."""
 
-    def __init__(self, full: nn.Linear, layout: TPLayout) -> None:
+    def __init__(self, full: nn.Linear, split: Split) -> None:
         nn.Module.__init__(self)  # skip nn.Linear's allocation; the parameters are slices of `full`
-        self.weight = _shard(full.weight, layout)
-        self.bias = _shard(full.bias, layout)
+        self.weight = _shard(full.weight, split)
+        self.bias = _shard(full.bias, split)
         self.out_features, self.in_features = self.weight.shape
 
 
@@ -195,8 +185,8 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, full: nn.Linear, rank: int, size: int, comm: Comm, sequence_parallel: bool,
                  reduce_dtype: torch.dtype | None) -> None:
         nn.Module.__init__(self)
-        self.weight = _shard(full.weight, TPLayout(dim=1, index=rank, parts=size, replicas=1))
-        self.bias = _shard(full.bias, TPLayout(dim=None, index=0, parts=1, replicas=size))
+        self.weight = _shard(full.weight, Split(dim=1, index=rank, parts=size, replicas=1))
+        self.bias = _shard(full.bias, Split(dim=None, index=0, parts=1, replicas=size))
         self.out_features, self.in_features = self.weight.shape
         self.comm, self.sequence_parallel, self.reduce_dtype = comm, sequence_parallel, reduce_dtype
         if self.bias is not None and sequence_parallel:
@@ -303,18 +293,17 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
 
     Afterwards `model(tokens)` returns this rank's vocabulary slice of the logits [B, T, V/tp] (score them with
     `vocab_parallel_lm_loss(logits, targets, tp_comm)`); with `sequence_parallel`, T must be divisible by tp. Every
-    parameter keeps its name and carries `param.tp_layout`. Apply it after moving the model to its device (the
-    gradient hooks live on the parameter objects). `reduce_dtype=torch.float32` sums bf16 partial sums in fp32.
+    parameter keeps its name and carries `param.placement` (its "tp" split). Apply it after moving the model to its
+    device (the gradient hooks live on the parameter objects). `reduce_dtype=torch.float32` sums bf16 partial sums
+    in fp32.
     """
     tp, rank = tp_comm.size, tp_comm.rank
     validate_tensor_parallel(cfg, tp)
     if tp == 1:
-        for param in model.parameters():
-            param.tp_layout = TPLayout(None, 0, 1, 1)
         return model
-    kv_layout = (TPLayout(0, rank, tp, 1) if cfg.n_kv_heads % tp == 0
-                 else TPLayout(0, rank // (tp // cfg.n_kv_heads), cfg.n_kv_heads, tp // cfg.n_kv_heads))
-    split = TPLayout(0, rank, tp, 1)
+    kv_split = (Split(0, rank, tp, 1) if cfg.n_kv_heads % tp == 0
+                else Split(0, rank // (tp // cfg.n_kv_heads), cfg.n_kv_heads, tp // cfg.n_kv_heads))
+    split = Split(0, rank, tp, 1)
     if sequence_parallel:
         enter, exit_ = gather_sequence, reduce_scatter_sequence
     else:
@@ -332,8 +321,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
                                          partial(exit_, comm=tp_comm, reduce_dtype=reduce_dtype))
             model.set_submodule(name, new)
         elif style in ("colwise", "colwise_kv"):
-            new = ColumnParallelLinear(module, kv_layout if style == "colwise_kv" else split)
-            if new.weight.tp_layout.replicas > 1:
+            new = ColumnParallelLinear(module, kv_split if style == "colwise_kv" else split)
+            if kv_split.replicas > 1 and style == "colwise_kv":
                 for param in new.parameters():
                     _sum_grad_over_replicas(param, tp_comm)
             model.set_submodule(name, new)
@@ -355,8 +344,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
             module.register_forward_hook(lambda m, args, out: out.narrow(-2, rank * (out.shape[-2] // tp),
                                                                          out.shape[-2] // tp))
     for param in model.parameters():
-        if not hasattr(param, "tp_layout"):
-            param.tp_layout = TPLayout(None, 0, 1, tp)  # replicated, identical gradient on every tp rank
+        if "tp" not in placement_of(param).splits:  # replicated: identical value and gradient on every tp rank
+            set_split(param, "tp", Split(None, 0, 1, tp), param.shape)
     return model
 
 

@@ -1,0 +1,106 @@
+"""This process's place in the job: what torchrun says about it, the layout checked before any process group, the
+process group itself, and the device.
+
+Bad layouts fail here, in one line, before any rank waits for another: a layout that does not divide the world
+size, a batch that does not split over the replicas, a model that cannot be cut over tp ranks or pp stages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from minidist.topology import ParallelDims, Topology
+from minidist.train_config import ConfigError, TrainConfig, model_config
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job: from an initialised process group, else from torchrun's variables."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def detect(cls) -> DistEnv:
+        env = os.environ
+        if dist.is_available() and dist.is_initialized():  # e.g. minidist.launch.run_ranks
+            rank = dist.get_rank()
+            return cls(rank, dist.get_world_size(), int(env.get("LOCAL_RANK", rank)))
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+# What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
+NOT_AVAILABLE_YET = {
+    "cp": ("context parallelism", "10"),
+    "ep": ("expert parallelism", "11"),
+}
+
+
+def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The layout of this run, checked against the world size. Called before any process group is created."""
+    rest = cfg.tp * cfg.pp * cfg.cp
+    dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
+    try:
+        dims = ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        dims.validate(world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name, (what, chapter) in NOT_AVAILABLE_YET.items():
+        if getattr(dims, name) > 1:
+            raise ConfigError(f"--{name} {getattr(dims, name)}: {what} is not available yet (chapter {chapter})")
+    if cfg.batch_size % (dims.dp * cfg.microbatches):
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
+                          f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
+    check_model_split(cfg, dims)
+    return dims
+
+
+def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Chapters 08-09: can the model be cut over tp ranks and pp stages this way? One-line ConfigError if not."""
+    from minidist.parallel.pipeline import validate_pipeline
+    from minidist.parallel.tensor import validate_tensor_parallel
+
+    mcfg = model_config(cfg)
+    if cfg.sp and dims.tp == 1:
+        raise ConfigError("--sp (sequence parallel) splits the sequence over tensor-parallel ranks: it needs --tp > 1")
+    if dims.pp == 1 and cfg.virtual_stages > 1:
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} cuts each pipeline rank's layers into chunks: "
+                          "it needs --pp > 1")
+    if cfg.zero == 3 and dims.tp * dims.pp > 1:
+        raise ConfigError(f"--zero 3 with tp={dims.tp} pp={dims.pp} is not supported yet (ZeRO-3's parameter "
+                          "gathering is not wired for tp-sharded or pipeline-stage models); use --zero 1 or 2")
+    try:
+        validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
+        if dims.pp > 1:
+            validate_pipeline(mcfg, dims.pp, cfg.microbatches, cfg.virtual_stages, cfg.schedule,
+                              batch_size=cfg.batch_size // dims.dp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> tuple[Topology, bool]:
+    """Join the process group (unless world size 1, or already joined) and slice the rank grid into groups.
+
+    Returns the topology and whether this call created the default group (the caller destroys it at the end).
+    """
+    created = False
+    if env.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
+                                world_size=env.world_size)
+        created = True
+    return Topology(dims, env.rank, env.world_size), created
+
+
+def pick_device(requested: str, env: DistEnv) -> torch.device:
+    """--device auto|cpu|cuda: this rank's device (cuda:LOCAL_RANK when CUDA is asked for or available)."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available; use --device cpu")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")

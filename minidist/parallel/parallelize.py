@@ -1,0 +1,220 @@
+"""One assembly: a built model and a rank grid in, this rank's part of the model and the few operations a training
+loop needs out. The loop never asks which dimensions are on.
+
+`parallelize` applies the dimensions in one order, each a transformation of what the previous step returned:
+
+1. tensor (+ sequence) parallel, chapter 08: swap linears and embeddings for sharded ones. Its collectives run
+   inside every layer, several per layer, so tp is the innermost dimension of the rank grid (neighbouring ranks,
+   the fastest links). The logits become this rank's vocabulary slice, scored by a vocab-parallel cross-entropy.
+2. pipeline parallel, chapter 09: keep this rank's blocks (a `StageModule`) and an executor of the schedule.
+   After TP, because a stage keeps the (already sharded) modules it owns.
+3. data parallel and ZeRO, chapter 07: average gradients over the replicas (the dp_cp group) and shard optimizer
+   state, gradients and parameters. Last, because it buckets and shards whatever parameters this rank holds.
+
+Context parallel (chapter 10) and expert parallel (chapter 11) add a step each (and a group on the grid).
+
+Loss normalization is global (the parity law): the loss of a step is Σ token losses / (number of counted target
+tokens in the whole global batch), whatever the layout, the micro-batches or the ignored targets. Each rank
+back-propagates Σ_its tokens ℓ · R / C, with C the global count and R the number of data-parallel replicas
+(the gradient reduction averages over them), so the averaged gradient is exactly ∇ Σ ℓ / C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minidist import health
+from minidist.model import ModelConfig, lm_loss
+from minidist.model import moe as moe_routing
+from minidist.parallel.layout import Placement, clip_grad_norm_, placement_of
+from minidist.topology import ParallelDims, Topology
+
+IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How each dimension is applied (the grid's sizes come from the Topology)."""
+
+    sequence_parallel: bool = False
+    tp_reduce_fp32: bool = False  # sum tensor-parallel partial sums in fp32 under bf16
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    zero: int = 0  # ZeRO stage over the dp_cp group
+
+
+@dataclass
+class StepLosses:
+    loss: float  # the global batch's mean LM loss (Σ token losses / global count), the same on every rank
+    aux_loss: float = 0.0  # MoE balancing losses, mean over this rank's micro-batches
+
+
+def count_targets(batches: Batches) -> torch.Tensor:
+    """Counted (non-ignored) target tokens in these micro-batches, as a 0-d float64 tensor on their device."""
+    return sum((targets != IGNORE_INDEX).sum() for _, targets in batches).double()
+
+
+def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
+                make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> ParallelModel:
+    """This rank's part of a full model built from (seed, names), wrapped with its optimizer; see the module doc."""
+    loss_fn: Callable = functools.partial(lm_loss, reduction="sum")
+    if topo.size("tp") > 1:  # 1. tensor parallel
+        from minidist.parallel.tensor import apply_tensor_parallel
+        from minidist.parallel.vocab import vocab_parallel_cross_entropy
+
+        tp_comm = topo.comm("tp")
+        model = apply_tensor_parallel(model, mcfg, tp_comm, sequence_parallel=options.sequence_parallel,
+                                      reduce_dtype=torch.float32 if options.tp_reduce_fp32 else None)
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=tp_comm, reduction="sum")
+    runner = None
+    if topo.size("pp") > 1:  # 2. pipeline parallel
+        model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn)
+    _record_placement(model, topo)
+    optimizer = make_optimizer(model)
+    if topo.size("dp_cp") > 1 or options.zero > 0:  # 3. data parallel / ZeRO
+        from minidist.parallel.zero import ZeroOptimizer
+
+        optimizer = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
+    return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0)
+
+
+def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
+                    loss_fn: Callable) -> tuple[nn.Module, object]:
+    from minidist.parallel.pipeline import PipelineRunner, partition_model
+
+    stage = partition_model(model, topo.coord("pp"), topo.size("pp"), options.virtual_stages, loss_fn=loss_fn)
+    shape = None
+    if options.sequence_parallel:  # between stages travels this tp rank's slice of the sequence
+        tp, d_model = topo.size("tp"), mcfg.d_model
+        shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // tp, d_model)  # noqa: E731
+    runner = PipelineRunner(stage, topo.comm("pp"), options.schedule, options.microbatches, options.virtual_stages,
+                            activation_shape=shape, with_aux=mcfg.moe.n_experts > 0)
+    return stage, runner
+
+
+def _record_placement(model: nn.Module, topo: Topology) -> None:
+    """Complete every parameter's placement: its pipeline stage and the replica groups that hold the same values."""
+    replicated = ("dp_cp",) if topo.size("dp_cp") > 1 else ()
+    for param in model.parameters():
+        param.placement = dataclasses.replace(placement_of(param), stage=topo.coord("pp"),
+                                              replicated_over=replicated)
+
+
+class ParallelModel:
+    """This rank's model and optimizer, with the operations of a training step. The same calls for every layout."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
+                 loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False) -> None:
+        """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest."""
+        topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
+        self.model, self.optimizer, self.topo = model, optimizer, topo
+        self.loss_fn = loss_fn or functools.partial(lm_loss, reduction="sum")  # Σ token losses in fp32
+        self.runner = runner  # the pipeline executor, None without pipeline parallelism
+        self.with_aux = with_aux
+        self.replicas = topo.comm("dp_cp") if topo.size("dp_cp") > 1 else None
+        self.model_groups = {name: topo.comm(name) for name in ("tp", "pp") if topo.size(name) > 1}
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+
+    def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
+        """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches."""
+        count = self._global_sum(count_targets(batches))
+        replicas = self.replicas.size if self.replicas is not None else 1
+        loss_scale = (replicas / count).float()
+        no_sync = getattr(self.optimizer, "no_sync", contextlib.nullcontext)
+        if self.runner is not None:
+            stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale)
+            loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
+        else:
+            loss_sum, aux = self._accumulate(batches, autocast, no_sync, loss_scale)
+        loss = self._global_sum(loss_sum.double().to(count.device)) / count
+        return StepLosses(loss.item(), aux)
+
+    def _accumulate(self, batches: Batches, autocast: Autocast, no_sync: Callable,
+                    loss_scale: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Forward and backward each micro-batch; data parallelism communicates during the last backward only."""
+        total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+        aux_total = torch.zeros_like(total)
+        for i, (inputs, targets) in enumerate(batches):
+            with autocast():
+                logits = self.model(inputs)
+            loss_sum = self.loss_fn(logits, targets)  # fp32 whatever the autocast dtype
+            health.check_fp32("loss", loss_sum)
+            objective = loss_sum * loss_scale
+            if self.with_aux:  # balancing losses are per micro-batch means: 1/M each
+                aux = self.model.aux_loss().float()
+                objective = objective + aux / len(batches)
+                aux_total += aux.detach()
+            with no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                objective.backward()
+            total += loss_sum.detach()
+        return total, (aux_total / len(batches)).item()
+
+    def grad_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
+        """This rank's gradient pieces and the groups over which they are disjoint (what the norm sums over)."""
+        if hasattr(self.optimizer, "grad_pieces"):  # data parallel / ZeRO: reduced gradients or their shards
+            self.optimizer.finish_grad_sync()
+            return self.optimizer.grad_pieces(), {**self.optimizer.norm_groups(), **self.model_groups}
+        pieces = [(p.grad, placement_of(p)) for p in self.model.parameters() if p.grad is not None]
+        return pieces, dict(self.model_groups)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip to a global L2 norm of the whole model's gradient (0: measure only); return the norm before."""
+        pieces, groups = self.grad_pieces()
+        return clip_grad_norm_(pieces, max_norm, groups)
+
+    def step(self) -> None:
+        """The optimizer step, then the MoE router biases (from expert loads summed over all replicas)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.with_aux:
+            reduce = self.replicas.all_reduce if self.replicas is not None else None
+            moe_routing.update_router_biases(self.model, reduce_fn=reduce)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> float:
+        """Mean LM loss over fixed batches (every replica evaluates the same ones), forwards only."""
+        self.model.eval()
+        if self.runner is not None:
+            loss_sum = torch.as_tensor(self.runner.evaluate(batches, autocast), dtype=torch.float64)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
+            for inputs, targets in batches:
+                with autocast():
+                    loss_sum += self.loss_fn(self.model(inputs), targets).double()
+        self.model.train()
+        return (loss_sum.cpu() / count_targets(batches).cpu()).item()
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Σ over the data-parallel replicas (each holds different rows of the global batch)."""
+        if self.replicas is not None:
+            self.replicas.all_reduce(value)
+        return value
+
+    # -- state ------------------------------------------------------------------------------------------------------
+
+    def moe_stats(self) -> dict[str, float]:
+        return moe_routing.moe_stats(self.model) if self.with_aux else {}
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """This rank's parameters in model order, whole under ZeRO-3 (gathered from the shards: collective)."""
+        if hasattr(self.optimizer, "full_parameters"):
+            return list(self.optimizer.full_parameters().values())
+        return list(self.model.parameters())

@@ -1,0 +1,72 @@
+"""A training run's state in a checkpoint, and how a run resumes from it.
+
+A checkpoint after step s holds everything the next step depends on: this rank's model and optimizer state, the
+learning-rate schedule, the sampler's position and the random generators. Restored, step s+1 is bit for bit the
+step the uninterrupted run took (tests/test_checkpoint.py checks it). The file format is minidist.checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minidist import checkpoint
+from minidist.train_config import config_to_values
+
+# Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
+SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "seq_len", "seed")
+
+
+def save_run(run: Any, steps_done: int) -> None:
+    """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0."""
+    state = {**run.parallel.state_dict(), "schedule": run.schedule.state_dict(),
+             "sampler": run.sampler.state_dict(), "rng": rng_state()}
+    meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
+    barrier = dist.barrier if run.env.world_size > 1 else None
+    checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
+                               world_size=run.env.world_size, barrier=barrier)
+
+
+def restore_run(run: Any) -> int | None:
+    """With --resume, load the latest checkpoint in OUT and return its step (None: none there, start at 0).
+    Without --resume, clear OUT's old checkpoints (rank 0). A mismatch is a ValueError naming what differs."""
+    root = run.out / "checkpoints"
+    step = checkpoint.latest_step(root) if run.cfg.resume else None
+    if step is None:
+        if not run.cfg.resume and run.is_main:
+            checkpoint.remove_checkpoints(root)
+        return None
+    state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
+    check_same_run(meta["config"], config_to_values(run.cfg))
+    run.schedule.load_state_dict(state["schedule"])
+    run.sampler.load_state_dict(state["sampler"])
+    run.parallel.load_state_dict(state)
+    set_rng_state(state["rng"])
+    return step
+
+
+def check_same_run(saved: dict, now: dict) -> None:
+    diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in SAME_RUN_KEYS if saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"settings differ from the checkpoint's: {'; '.join(diffs)}")
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / checkpoint.step_dir_name(step)
