@@ -7,6 +7,8 @@ checkpoints and parity tests, so transformations keep them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,30 +66,42 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for tokens [B, T]; positions default to 0..T−1."""
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        rope = self.rotary(positions) if self.rotary is not None else None
-        for block in self.blocks:
-            x = block(x, rope)
-        return self.lm_head(self.norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True) -> torch.Tensor:
+        """Logits [B, T, vocab] for tokens [B, T]; positions default to 0..T−1 (T = x.shape[1]).
 
-    def aux_loss(self) -> torch.Tensor:
-        """Sum of the auxiliary losses (MoE balancing) recorded by the last forward; 0 for a dense model."""
-        losses = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None
-                  and isinstance(m.aux_loss, torch.Tensor)]
+        The keywords run a part of the model, for pipeline stages: only the blocks whose indices are in `blocks`
+        (in that order; default all), with embed=False taking hidden states [B, T, d] instead of tokens and
+        head=False returning hidden states instead of logits. A pipeline stage, which holds only some blocks,
+        passes its own indices (they need not be consecutive: an interleaved stage owns several chunks).
+        """
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        if embed:
+            x = self.tok_emb(x)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for i in range(len(self.blocks)) if blocks is None else blocks:
+            x = self.blocks[i](x, rope)
+        return self.lm_head(self.norm(x)) if head else x
+
+    def aux_loss(self, blocks: Sequence[int] | None = None) -> torch.Tensor:
+        """Sum of the auxiliary losses (MoE balancing) recorded by the last forward of the given blocks (default
+        all); a 0 that requires no gradient when they hold no MoE layer."""
+        modules = self.modules() if blocks is None else (m for i in blocks for m in self.blocks[i].modules())
+        losses = [m.aux_loss for m in modules if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
         if not losses:
-            return torch.zeros((), device=self.tok_emb.weight.device)
+            return torch.zeros((), device=next(self.parameters()).device)
         return torch.stack(losses).sum()
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy over all non-ignored target positions, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+            reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy over the non-ignored target positions, computed in fp32: their mean, or with
+    reduction="sum" their sum (to divide by a token count taken over several micro-batches or ranks)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
+                           reduction=reduction)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
