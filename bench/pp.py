@@ -28,33 +28,23 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist.launch import run_ranks
-from minidist.model import build_model, get_preset, lm_loss
-from minidist.parallel.pipeline import PipelineRunner, chunk_layers, partition_model
+from minidist.model import Transformer, build_model, get_preset, lm_loss
+from minidist.parallel.pipeline import PipelineRunner, partition_model
 from minidist.topology import ParallelDims, Topology
 
 TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
 
 class TorchChunk(nn.Module):
-    """One chunk of the model for torch's PipelineStage: tensor in, tensor out (logits on the last chunk)."""
+    """One chunk of the model for torch's PipelineStage: tensor in, tensor out (logits on the last chunk). Chunk c
+    of p·v chunks is stage c of the model cut into p·v stages; the model's own forward runs it."""
 
-    def __init__(self, model: nn.Module, chunk: int, n_chunks: int) -> None:
+    def __init__(self, model: Transformer, chunk: int, n_chunks: int) -> None:
         super().__init__()
-        self.first, self.last = chunk == 0, chunk == n_chunks - 1
-        self.layers = list(chunk_layers(model.cfg.n_layers, n_chunks)[chunk])
-        self.tok_emb = model.tok_emb if self.first else None
-        self.rotary = model.rotary
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in self.layers})
-        self.norm = model.norm if self.last else None
-        self.lm_head = model.lm_head if self.last else None
+        self.part = partition_model(model, chunk, n_chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = self.rotary(torch.arange(x.shape[1]))
-        if self.first:
-            x = self.tok_emb(x)
-        for i in self.layers:
-            x = self.blocks[str(i)](x, rope)
-        return self.lm_head(self.norm(x)) if self.last else x
+        return self.part.forward_chunk(self.part.pp_rank, x)
 
 
 def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, targets: torch.Tensor):
@@ -74,7 +64,7 @@ def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, ta
                                                                     loss_fn=lm_loss)
 
     def ours() -> None:
-        runner.step(batches)
+        runner.step(batches, loss_scale=1.0 / targets.numel())  # Σ token losses / tokens: no target is ignored
 
     def theirs() -> None:
         args = (inputs,) if rank == 0 else ()
@@ -99,7 +89,7 @@ def rank_step_times(schedules: list[str], pp: int, m: int, d_model: int, layers:
         theirs()
         mine = dict(stage.named_parameters())
         for name, param in chunks.named_parameters():  # same gradients, by name, before anything is timed
-            name = name.split(".", 1)[1]  # drop the ModuleList index
+            name = name.split(".", 2)[2]  # drop the ModuleList index and "part"
             if not torch.allclose(param.grad, mine[name].grad, rtol=1e-4, atol=1e-6):
                 raise AssertionError(f"{schedule}: gradient of {name} differs between minidist and torch")
         sides = (("minidist", ours, stage), ("torch", theirs, chunks))

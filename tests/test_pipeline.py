@@ -19,13 +19,8 @@ import torch.distributed as dist
 from minidist.comm import Comm, Ledger
 from minidist.launch import run_ranks
 from minidist.model import build_model, lm_loss
-from minidist.parallel.pipeline import (
-    PipelineRunner,
-    chunk_layers,
-    clip_grad_norm_,
-    partition_model,
-    validate_pipeline,
-)
+from minidist.parallel.layout import clip_grad_norm_, placement_of
+from minidist.parallel.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
 from minidist.parallel.schedules import (
     SCHEDULES,
     Action,
@@ -41,6 +36,17 @@ from minidist.parallel.schedules import (
 from minidist.topology import ParallelDims, Topology
 
 CFG8 = parity.CFG.replace(n_layers=8)  # pp=4 with 2 virtual stages needs 8 layers
+IGNORE = -100  # lm_loss's ignore_index
+
+
+def _counted(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Target tokens the loss counts in these micro-batches (0-d float64)."""
+    return sum((targets != IGNORE).sum() for _, targets in batches).double()
+
+
+def _pieces(stage: torch.nn.Module) -> list:
+    return [(p.grad, placement_of(p)) for p in stage.parameters() if p.grad is not None]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Schedules as data, and the simulator
@@ -150,7 +156,9 @@ def test_stages_keep_the_plain_model_names_and_values(pp: int, v: int) -> None:
         stage = partition_model(build_model(CFG8, seed=parity.SEED), r, pp, v)
         for name, param in stage.named_parameters():
             assert torch.equal(param, plain[name]), name
+            assert placement_of(param).stage == r, name  # what the gradient norm and checkpoints read
             seen.append(name)
+        assert len(stage.blocks) == CFG8.n_layers  # other stages' blocks are holes, not renumbered
         assert ("tok_emb.weight" in dict(stage.named_parameters())) == (r == 0)
         assert ("lm_head.weight" in dict(stage.named_parameters())) == (r == pp - 1)
     assert sorted(seen) == sorted(plain)  # every parameter on exactly one stage
@@ -166,10 +174,12 @@ def test_one_rank_with_virtual_stages_matches_the_reference(schedule: str, m: in
     losses = []
     for step in range(parity.STEPS):
         inputs, targets = parity.global_batch(step)
-        losses.append(runner.step(list(zip(inputs.chunk(m), targets.chunk(m)))).loss)
+        batches = list(zip(inputs.chunk(m), targets.chunk(m)))
+        count = _counted(batches)
+        losses.append(runner.step(batches, loss_scale=1 / count).loss / count.item())
         if step == 0:
             grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
-        clip_grad_norm_(stage.parameters(), parity.GRAD_CLIP)
+        clip_grad_norm_(_pieces(stage), parity.GRAD_CLIP, {})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     parity.assert_losses_match(losses, reference["losses"], f"pp1 {schedule} v={v}")
@@ -219,17 +229,18 @@ CASES = {
 
 def _run_case(case: Case, topo: Topology) -> dict:
     from minidist.parallel import DataParallel, ZeroOptimizer, split_batch
-    from minidist.parallel.tensor import apply_tensor_parallel, gather_full, sharded_grad_norm
-    from minidist.parallel.vocab import vocab_parallel_lm_loss
+    from minidist.parallel.layout import gather_full
+    from minidist.parallel.tensor import apply_tensor_parallel
+    from minidist.parallel.vocab import vocab_parallel_cross_entropy
 
     ledger = Ledger()
     pp_comm, dp_comm, tp_comm = topo.comm("pp", ledger), topo.comm("dp_cp", Ledger()), topo.comm("tp", Ledger())
     cfg = CFG8 if case.layers == 8 else parity.CFG
     model = build_model(cfg, seed=parity.SEED)
-    loss_fn, shape = lm_loss, None
+    loss_fn, shape = functools.partial(lm_loss, reduction="sum"), None  # the runner wants Σ token losses
     if case.tp > 1:
         apply_tensor_parallel(model, cfg, tp_comm, sequence_parallel=case.sp)
-        loss_fn = functools.partial(vocab_parallel_lm_loss, comm=tp_comm)
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=tp_comm, reduction="sum")
         if case.sp:  # hidden states between stages are this rank's slice of the sequence
             shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // case.tp, cfg.d_model)  # noqa: E731
     stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn)
@@ -243,19 +254,21 @@ def _run_case(case: Case, topo: Topology) -> dict:
         engine = optimizer = ZeroOptimizer(stage, optimizer, dp_comm, 1)
     out: dict = {"losses": [], "grads": {}, "coords": dict(topo.coords)}
     # Evaluation (forwards only, any number of micro-batches) at the initial weights = the reference's first loss.
+    # Losses are sums of token losses: summed over the data-parallel replicas, divided by the global count.
     inputs, targets = parity.global_batch(0, case.batch)
-    eval_loss = torch.tensor([runner.evaluate(split_batch(inputs, targets, topo.coord("dp"), case.dp, 1))])
-    out["eval_loss"] = dp_comm.all_reduce(eval_loss, op="avg").item()
+    eval_sum = torch.tensor(runner.evaluate(split_batch(inputs, targets, topo.coord("dp"), case.dp, 1)))
+    out["eval_loss"] = (dp_comm.all_reduce(eval_sum) / _counted([(inputs, targets)])).item()
     for step in range(parity.STEPS):
         inputs, targets = parity.global_batch(step, case.batch)
         batches = split_batch(inputs, targets, topo.coord("dp"), case.dp, case.m)
+        count = dp_comm.all_reduce(_counted(batches))  # the global batch's counted targets
         sent_before = ledger.bytes("send", "pp")
-        stats = runner.step(batches, no_sync=engine.no_sync if engine is not None else None)
+        # The data-parallel reduction averages over the dp replicas: scale by dp to leave Σ / count.
+        stats = runner.step(batches, no_sync=engine.no_sync if engine is not None else None,
+                            loss_scale=case.dp / count)
         if engine is not None:
             engine.finish_grad_sync()
-        loss = torch.tensor([stats.loss])
-        dp_comm.all_reduce(loss, op="avg")  # the logged loss is the mean over data-parallel replicas
-        out["losses"].append(loss.item())
+        out["losses"].append((dp_comm.all_reduce(torch.tensor(stats.loss, dtype=torch.float64)) / count).item())
         if step == 0:
             out["peak_bytes"], out["peak_in_flight"] = stats.peak_activation_bytes, stats.peak_in_flight
             out["send_bytes"] = ledger.bytes("send", "pp") - sent_before
@@ -265,19 +278,15 @@ def _run_case(case: Case, topo: Topology) -> dict:
                 out["grads"] = engine.full_gradients()
             else:
                 out["grads"] = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
-        _clip(case, stage, engine, pp_comm, tp_comm, sharded_grad_norm)
+        _clip(case, stage, engine, pp_comm, tp_comm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return out
 
 
-def _clip(case, stage, engine, pp_comm, tp_comm, sharded_grad_norm) -> None:
+def _clip(case, stage, engine, pp_comm, tp_comm) -> None:
     """Clip with the norm over the whole model: the stages' squares summed over pp (and tp shards counted once)."""
-    if case.tp > 1:
-        params = [p for p in stage.parameters() if p.grad is not None]
-        norm = sharded_grad_norm([(p.grad, p.tp_layout.replicas) for p in params], [tp_comm, pp_comm])
-        torch.nn.utils.clip_grads_with_norm_(params, parity.GRAD_CLIP, norm)
-    elif case.data == "zero1":
+    if case.data == "zero1":
         # ZeroOptimizer clips by its own dp-sharded norm; bring in the other stages through its max_norm argument.
         local = engine.clip_grad_norm(0.0)
         total = torch.tensor([local * local])
@@ -285,8 +294,9 @@ def _clip(case, stage, engine, pp_comm, tp_comm, sharded_grad_norm) -> None:
         coef = min(1.0, parity.GRAD_CLIP / (total.sqrt().item() + 1e-6))
         if coef < 1.0:
             engine.clip_grad_norm(coef * (local + 1e-6))
-    else:
-        clip_grad_norm_(stage.parameters(), parity.GRAD_CLIP, [pp_comm])
+    else:  # the stages hold disjoint parameters (pp), and tp ranks disjoint slices of them
+        groups = {"pp": pp_comm} | ({"tp": tp_comm} if case.tp > 1 else {})
+        clip_grad_norm_(_pieces(stage), parity.GRAD_CLIP, groups)
 
 
 def _rank_cases(cases: list[Case]) -> list[dict]:
@@ -365,8 +375,9 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
 
 
 def test_moe_balancing_losses_flow_through_every_stage() -> None:
-    # Each chunk adds its own MoE layers' aux loss, scaled by 1/m like the LM loss, to its backward.
-    cfg = parity.CFG.replace(moe={"n_experts": 4, "top_k": 2})
+    # Each chunk adds its own MoE layers' aux loss, scaled by 1/m, to its backward; the first chunk (2 dense layers)
+    # has none, and adds nothing.
+    cfg = parity.CFG.replace(moe={"n_experts": 4, "top_k": 2, "first_dense_layers": 2})
     inputs, targets = parity.global_batch(0)
     m = 2
     reference = build_model(cfg, seed=parity.SEED)
@@ -377,9 +388,61 @@ def test_moe_balancing_losses_flow_through_every_stage() -> None:
         ((loss + aux) / m).backward()
         lm_total, aux_total = lm_total + loss.item() / m, aux_total + aux.item() / m
     stage = partition_model(build_model(cfg, seed=parity.SEED), 0, 1, 2)
-    stats = PipelineRunner(stage, Comm(), "interleaved", m, with_aux=True).step(
-        list(zip(inputs.chunk(m), targets.chunk(m))))
+    batches = list(zip(inputs.chunk(m), targets.chunk(m)))
+    count = _counted(batches)
+    stats = PipelineRunner(stage, Comm(), "interleaved", m, with_aux=True).step(batches, loss_scale=1 / count)
     assert aux_total > 0
-    assert stats.loss == pytest.approx(lm_total, rel=1e-6) and stats.aux_loss == pytest.approx(aux_total, rel=1e-6)
+    assert stats.loss / count.item() == pytest.approx(lm_total, rel=1e-6)
+    assert stats.aux_loss == pytest.approx(aux_total, rel=1e-6)
     parity.assert_grads_match({n: p.grad for n, p in stage.named_parameters()},
                               {n: p.grad for n, p in reference.named_parameters()}, "moe pp1 v2")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss normalization by the global token count, and the model's partial forward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rank_step(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """One 1F1B step on two stages, scaled by the tokens the micro-batches count: (mean loss, gradients)."""
+    topo = Topology(ParallelDims(pp=2), dist.get_rank(), dist.get_world_size())
+    stage = partition_model(build_model(parity.CFG, seed=parity.SEED), topo.coord("pp"), 2)
+    count = _counted(batches)
+    stats = PipelineRunner(stage, topo.comm("pp"), "1f1b", len(batches)).step(batches, loss_scale=1 / count)
+    return {"loss": stats.loss / count.item(), "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+
+
+def test_micro_batches_with_different_token_counts_give_the_global_token_mean() -> None:
+    # Micro-batch 0 (rows 0-3) counts 69 targets, micro-batch 1 all 128: the mean of the two micro-batch means
+    # (the old 1/m rule) weighs micro-batch 0's tokens almost twice as much as the whole-batch mean does.
+    inputs, targets = parity.global_batch(0)
+    targets = targets.clone()
+    targets[0] = IGNORE
+    targets[1, 5:] = IGNORE
+    batches = list(zip(inputs.chunk(2), targets.chunk(2)))
+    assert [int((y != IGNORE).sum()) for _, y in batches] == [69, 128]
+    reference = build_model(parity.CFG, seed=parity.SEED)
+    loss = lm_loss(reference(inputs), targets)  # the mean over every counted target of the batch
+    loss.backward()
+    results = run_ranks(_rank_step, 2, batches, timeout=300)
+    for result in results:
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    grads = {name: grad for result in results for name, grad in result["grads"].items()}
+    parity.assert_grads_match(grads, {n: p.grad for n, p in reference.named_parameters()}, "pp2 ignored targets")
+
+
+def test_a_forward_over_groups_of_blocks_equals_the_whole_forward() -> None:
+    # What a stage runs: embedding + some blocks, other blocks on hidden states, the last blocks + head.
+    cfg = CFG8.replace(moe={"n_experts": 4, "top_k": 2, "first_dense_layers": 3})
+    model = build_model(cfg, seed=parity.SEED)
+    tokens, _ = parity.global_batch(0)
+    hidden = model(tokens, blocks=[0, 1, 2], head=False)
+    assert hidden.shape == (*tokens.shape, cfg.d_model)
+    assert not model.aux_loss([0, 1, 2]).requires_grad  # dense blocks: nothing to backpropagate
+    hidden = model(hidden, blocks=[3, 4], embed=False, head=False)
+    aux_parts = model.aux_loss([3, 4])
+    logits = model(hidden, blocks=range(5, 8), embed=False)
+    aux_parts = aux_parts + model.aux_loss(range(5, 8))
+    whole = model(tokens)
+    assert torch.equal(logits, whole)
+    assert torch.allclose(aux_parts, model.aux_loss(), rtol=1e-6) and aux_parts > 0

@@ -5,11 +5,14 @@ Three pieces:
 1. `partition_model` keeps the part of a full `Transformer` that one pipeline rank runs: its chunks of consecutive
    blocks (p·v chunks, even by layers; rank r holds chunks r, r+p, r+2p, ...), the embedding with chunk 0, the
    final norm, head and loss with the last chunk. The modules are the model's own, under the model's own names
-   ("blocks.5.attn.wq.weight"), so optimizers, checkpoints and parity tests compare parameters by name.
+   ("blocks.5.attn.wq.weight"), so optimizers, checkpoints and parity tests compare parameters by name, and the
+   model's own forward runs them (over a chunk's blocks, with or without the embedding and the head).
 2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.schedules` (any schedule: the
    executor does not know which one it runs). Activations and gradients travel point to point through
-   `minidist.comm`, so the ledger sees every byte. Each micro-batch's loss is scaled by 1/m before its backward,
-   so the accumulated gradient is the gradient of the mean loss over the whole batch, for any m. A micro-batch's
+   `minidist.comm`, so the ledger sees every byte. The last chunk scores the SUM of its token losses and scales it
+   by the caller's `loss_scale` (replicas / tokens counted in the global batch) before its backward, so the
+   accumulated gradient is that of the mean over every counted token of the batch, whatever each micro-batch
+   counts (scaling micro-batch means by 1/m is right only when all count the same). A micro-batch's
    saved activations are released by its backward (nothing else holds them), which is what makes 1F1B's memory
    smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
 3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
@@ -21,6 +24,8 @@ hidden states cross the wire.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,6 +37,7 @@ from torch import nn
 from minidist.comm import Comm, Ledger
 from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
+from minidist.parallel.layout import placement_of
 from minidist.parallel.schedules import (
     RECV_B,
     RECV_F,
@@ -47,6 +53,9 @@ from minidist.parallel.schedules import (
     forward_only,
     rank_chunks,
 )
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
+sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Validation and partitioning
@@ -95,12 +104,17 @@ def chunk_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]
     return [range(bounds[c], bounds[c + 1]) for c in range(n)]
 
 
-class StageModule(nn.Module):
-    """The chunks of the model one pipeline rank runs, holding the model's own modules under their own names."""
+class StageModule(Transformer):
+    """The model as one pipeline rank holds it: the same modules under the same names, with the blocks of the other
+    ranks' chunks replaced by None (and the embedding, final norm and head where they are not on this rank).
+
+    It runs its parts through `Transformer.forward`'s keywords, so there is one forward in the package: a chunk is
+    `stage(x, positions, blocks=stage.layers[chunk], embed=<first chunk>, head=<last chunk>)`.
+    """
 
     def __init__(self, model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> None:
-        super().__init__()
+                 loss_fn: LossFn = sum_lm_loss) -> None:
+        nn.Module.__init__(self)  # adopt the built (maybe tensor-parallel) model's modules; build none
         self.cfg = model.cfg
         self.pp, self.pp_rank, self.virtual_stages = pp, pp_rank, virtual_stages
         self.n_chunks = pp * virtual_stages
@@ -108,45 +122,28 @@ class StageModule(nn.Module):
         layers = chunk_layers(model.cfg.n_layers, pp, virtual_stages)
         self.layers = {c: list(layers[c]) for c in self.chunks}
         self.has_first, self.has_last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+        mine = {i for c in self.chunks for i in self.layers[c]}
         self.tok_emb = model.tok_emb if self.has_first else None
         self.pos_emb = model.pos_emb if self.has_first else None
         self.rotary = model.rotary  # buffers only: every stage turns positions into cos/sin itself
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for c in self.chunks for i in self.layers[c]})
+        self.blocks = nn.ModuleList(block if i in mine else None for i, block in enumerate(model.blocks))
         self.norm = model.norm if self.has_last else None
         self.lm_head = model.lm_head if self.has_last else None
         self.loss_fn = loss_fn
+        for param in self.parameters():  # the record every reader of the layout uses (norms, checkpoints)
+            param.placement = dataclasses.replace(placement_of(param), stage=pp_rank)
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunk 0 takes tokens [B, T]; others hidden states [B, T, d]. The last chunk returns the mean loss
-        against `targets`, or the logits when `targets` is None."""
+    def forward_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk 0 takes tokens [B, T], the others hidden states [B, T, d]; the last returns logits."""
         if chunk not in self.layers:
             raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
-        seq = x.shape[1]
-        if positions is None:
-            positions = torch.arange(seq, device=x.device)
-        if chunk == 0:
-            x = self.tok_emb(x)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(positions)
-        rope = self.rotary(positions) if self.rotary is not None else None
-        for i in self.layers[chunk]:
-            x = self.blocks[str(i)](x, rope)
-        if chunk == self.n_chunks - 1:
-            logits = self.lm_head(self.norm(x))
-            return logits if targets is None else self.loss_fn(logits, targets)
-        return x
-
-    def chunk_aux_loss(self, chunk: int) -> torch.Tensor | None:
-        """The MoE balancing losses the last forward of `chunk` recorded (None for dense layers)."""
-        losses = [m.aux_loss for i in self.layers[chunk] for m in self.blocks[str(i)].modules()
-                  if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
-        return torch.stack(losses).sum() if losses else None
+        return self(x, positions, blocks=self.layers[chunk], embed=chunk == 0, head=chunk == self.n_chunks - 1)
 
 
 def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
-                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> StageModule:
-    """This rank's `StageModule`. Build (and tensor-parallelize) the full model first; the rest is dropped."""
+                    loss_fn: LossFn = sum_lm_loss) -> StageModule:
+    """This rank's `StageModule`. Build (and tensor-parallelize) the full model first; the rest is dropped.
+    `loss_fn(logits, targets)` is what the last chunk scores: the SUM of the token losses, in fp32."""
     check_partition(model.cfg, pp, virtual_stages)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
@@ -160,7 +157,7 @@ def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: i
 
 @dataclass
 class StepStats:
-    loss: float  # mean LM loss over the step's micro-batches, the same on every pipeline rank
+    loss: float  # Σ of the token losses of the step's micro-batches, the same on every pipeline rank
     aux_loss: float = 0.0  # MoE balancing losses, summed over stages, mean over micro-batches
     events: list[Event] = field(default_factory=list)  # this rank's actions, time.perf_counter() start/end
     peak_activation_bytes: int = 0  # most bytes saved for backward alive at once (measure_memory=True)
@@ -193,8 +190,9 @@ class PipelineRunner:
 
     `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
     are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
-    under bf16 autocast). Gradients accumulate into the stage's `.grad`s; the caller reduces them over data-parallel
-    replicas, clips and steps the optimizer. Each receive is posted when the rank reaches the RECV action
+    under bf16 autocast), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller reduces
+    them over data-parallel replicas, clips (`layout.clip_grad_norm_` over the tp and pp groups: each parameter's
+    placement names its stage) and steps the optimizer. Each receive is posted when the rank reaches the RECV action
     `recv_ahead` receives before it (0: only when it needs it), so the message can arrive while the rank computes.
     """
 
@@ -245,47 +243,53 @@ class PipelineRunner:
         if peer == self.comm.rank:
             return tag, None
         self.comm.ledger.record("recv", self.comm.name, 0)
-        buffer = torch.empty(shape, dtype=self.activation_dtype)
+        # On the compute device, like the inputs: a CPU buffer would not work with NCCL and would cost a copy.
+        buffer = torch.empty(shape, dtype=self.activation_dtype, device=batches[a.mb][0].device)
         return buffer, dist.irecv(buffer, src=self.comm.global_rank(peer), group=self.comm.group, tag=tag)
 
     # -- one step --------------------------------------------------------------------------------------------------
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> StepStats:
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None = None, *,
+             loss_scale: float | torch.Tensor) -> StepStats:
         """Forward and backward every micro-batch (inputs, targets) by the schedule; return the step's stats.
 
         Every pipeline rank passes the same micro-batches: chunk 0 reads the inputs, the last chunk the targets.
         Every stage gets positions 0..T−1 (T = the inputs' length), whatever shape its hidden states have.
-        `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its last runs inside it, so an
-        overlapped data-parallel reduction starts during the last backward only.
+        Each micro-batch backpropagates `loss_fn(logits, targets) * loss_scale` (plus its MoE balancing losses / m);
+        pass loss_scale = data-parallel replicas / counted targets of the global batch, and divide the returned
+        `loss` (a sum) by that count. `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its
+        last runs inside it, so an overlapped data-parallel reduction starts during the last backward only.
         """
         if len(batches) != self.microbatches:
             raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
-        return self._run(self.actions, batches, autocast, no_sync)
+        return self._run(self.actions, batches, autocast, no_sync, loss_scale)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
-        """The mean loss over `batches` (any number of micro-batches), forwards only; the same on every rank."""
+        """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
+        rank. Divide by the number of counted targets for the mean."""
         actions = forward_only(self.pp, len(batches), self.stage.virtual_stages)[self.stage.pp_rank]
-        return self._run(actions, batches, autocast, None).loss
+        return self._run(actions, batches, autocast, None, 1.0).loss
 
     def _run(self, actions: list[Action], batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager],
-             no_sync: Callable[[], contextlib.AbstractContextManager] | None) -> StepStats:
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None,
+             loss_scale: float | torch.Tensor) -> StepStats:
         stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
-        scale = 1.0 / len(batches)
+        device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
-        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss on the last chunk)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss sum on the last chunk)
         aux: dict[tuple[int, int], torch.Tensor] = {}
         out_grads: dict[tuple[int, int], torch.Tensor] = {}
         in_grads: dict[tuple[int, int], torch.Tensor] = {}
         held: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per forward not yet backwarded
         mailbox: dict[int, torch.Tensor] = {}
         pending: list = []
-        loss_sum = torch.zeros((), dtype=torch.float32)
-        aux_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         stats = StepStats(loss=0.0)
         live = 0
         positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
@@ -316,12 +320,15 @@ class PipelineRunner:
             elif a.kind == F:
                 x = tokens if a.chunk == 0 else inputs[key]
                 with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
-                    out = stage.forward_chunk(a.chunk, x, targets if a.chunk == last else None, positions[a.mb])
-                    chunk_aux = stage.chunk_aux_loss(a.chunk) if self.with_aux else None
+                    out = stage.forward_chunk(a.chunk, x, positions[a.mb])
+                    if a.chunk == last:
+                        out = stage.loss_fn(out, targets)
+                    chunk_aux = stage.aux_loss(stage.layers[a.chunk]) if self.with_aux else None
                 outputs[key] = out
                 if chunk_aux is not None:
-                    aux[key] = chunk_aux.float()
                     aux_sum += chunk_aux.detach().float()
+                    if chunk_aux.requires_grad:  # a chunk of dense layers (or evaluate) has nothing to backward
+                        aux[key] = chunk_aux.float()
                 if a.chunk == last:
                     loss_sum += out.detach().float()
                 held[key] = sum(self.saved.seen.values()) if self.saved else 0
@@ -335,10 +342,10 @@ class PipelineRunner:
                 out_grads[key] = receive(index)
             elif a.kind == B:
                 out = outputs.pop(key)
-                tensors = [out * scale] if a.chunk == last else [out]
+                tensors = [out * loss_scale] if a.chunk == last else [out]
                 grads = [None] if a.chunk == last else [out_grads.pop(key)]
                 if key in aux:
-                    tensors.append(aux.pop(key) * scale)
+                    tensors.append(aux.pop(key) / len(batches))
                     grads.append(None)
                 with no_sync() if no_sync is not None and index != last_backward else contextlib.nullcontext():
                     torch.autograd.backward(tensors, grads)
@@ -352,37 +359,11 @@ class PipelineRunner:
         for work in pending:
             work.wait()
         # One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses.
-        totals = torch.stack([loss_sum, aux_sum]) * scale
+        totals = torch.stack([loss_sum, aux_sum / len(batches)])
         if p > 1:
             self.comm.all_reduce(totals)
         stats.loss, stats.aux_loss = totals[0].item(), totals[1].item()
         return stats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Gradient norm across stages
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, comms: Iterable[Comm] = ()) -> float:
-    """Clip to a global L2 norm over the parameters of all stages; return the norm before clipping.
-
-    Each rank sums the squares of its own gradients; the sum is all-reduced over `comms`, the groups whose ranks
-    hold *different* parameters (the pipeline group; not data-parallel replicas, which hold the same ones).
-    `max_norm` 0 only measures.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    square = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        square += p.grad.detach().float().pow(2).sum()
-    for comm in comms:
-        if comm.size > 1:
-            comm.all_reduce(square)
-    norm = square.sqrt()
-    if max_norm > 0:
-        # It takes the parameters (it reads p.grad): given the gradients themselves it would silently do nothing.
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -396,7 +377,7 @@ def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], bat
 
     For each (schedule, microbatches, virtual_stages) in `runs`: partition a model built from (cfg, seed), run
     `steps` steps (all ranks start each step after a barrier) and return a dict with `events`, one list per step
-    (time.perf_counter(), one clock for all processes of a machine), the last step's `loss`,
+    (time.perf_counter(), one clock for all processes of a machine), the last step's `loss` (mean over tokens),
     `peak_activation_bytes`, `peak_in_flight`, `send_bytes` (point to point, from the ledger) and the first step's
     gradients by name (`grads`).
     """
@@ -418,12 +399,12 @@ def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], bat
             stage.zero_grad(set_to_none=True)
             ledger.reset()
             dist.barrier()
-            stats = runner.step(batches)
+            stats = runner.step(batches, loss_scale=1.0 / targets.numel())  # no ignored targets
             events.append(stats.events)
             if step == 0:
                 grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
         results.append({"schedule": schedule, "microbatches": m, "virtual_stages": v, "events": events,
-                        "loss": stats.loss, "peak_activation_bytes": stats.peak_activation_bytes,
+                        "loss": stats.loss / targets.numel(), "peak_activation_bytes": stats.peak_activation_bytes,
                         "peak_in_flight": stats.peak_in_flight, "grads": grads,
                         "send_bytes": ledger.bytes("send", "pp")})
     return results
