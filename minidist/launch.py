@@ -4,8 +4,15 @@ Every rank is a separate process joined into one gloo process group. The launche
 - starts processes through a `forkserver` that has already imported torch, so a launch costs a fraction of a
   second instead of the ~6 s each fresh `import torch` takes;
 - rendezvous through a TCPStore that the caller opens on a port the OS picks, so parallel tests never collide;
-- enforces a timeout on the whole run, and reports which rank failed, with its traceback;
-- returns whatever each rank's function returned, as a list indexed by rank.
+- returns whatever each rank's function returned, as a list indexed by rank;
+- enforces a timeout on the whole run, and makes failures easy to trace to their cause.
+
+Failure reports. When one rank raises, its peers usually fail a moment later inside a collective, only because it
+left ("Connection reset by peer"). So every failure is stamped with the time it happened, and `RankFailed` leads
+with the rank that failed first, with its own traceback, and lists the later ones as consequences. When the run
+times out, each rank still running dumps its Python stack (faulthandler, on a signal from the launcher), and
+`LaunchTimeout` shows where each one was stuck. An optional `case` (e.g. "world 3, group [0, 2], shape (7,)")
+says what was being run, in both messages.
 
 The function must be importable (defined in a module, not in `__main__` or a notebook cell): a forkserver child
 finds it by its qualified name.
@@ -14,13 +21,20 @@ finds it by its qualified name.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue
+import re
+import shutil
+import signal
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,13 +44,27 @@ import torch.distributed as dist
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minidist"]
 _context: mp.context.BaseContext | None = None
 
+_DUMP_SIGNAL = signal.SIGUSR1  # the launcher sends it to ranks still running at the timeout
+_SETTLE_S = 2.0  # after a first failure, how long to wait for the others, so that the earliest can be named
+_FRAMES_SHOWN = 6  # innermost frames per stuck rank: torch's wrappers, then the learner's own lines
+_CONSEQUENCE_CHARS = 160  # each later failure is one line, cut to this length
+_DEADLOCK_HINT = "deadlock? a blocking send waits for a matching recv: post isend and irecv before waiting"
+
 
 class RankFailed(RuntimeError):
-    """A rank raised an exception or died; the message names the rank and carries its traceback."""
+    """A rank raised or died; the message names the rank that failed first, with its traceback."""
 
 
 class LaunchTimeout(TimeoutError):
-    """The run did not finish within its timeout; the message names the ranks still running."""
+    """The run did not finish within its timeout; the message names the ranks still running and where they were."""
+
+
+@dataclass
+class _Failure:
+    rank: int
+    at: float  # time.time() when it happened: ranks are processes on one machine, so their clocks agree
+    what: str  # "raised" or how it died
+    detail: str = ""  # the rank's traceback, if it raised
 
 
 def _get_context() -> mp.context.BaseContext:
@@ -59,6 +87,11 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# In each rank
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -69,8 +102,11 @@ def _worker(
     args: tuple,
     kwargs: dict,
     results: Any,
+    stack_file: str,
 ) -> None:
+    failed_at = None
     try:
+        _arm_stack_dump(stack_file)
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
@@ -78,11 +114,39 @@ def _worker(
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             value = fn(*args, **kwargs)
+        except BaseException:
+            failed_at = time.time()  # now, not after the teardown below, which can take a while
+            raise
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, _to_bytes(value)))
-    except BaseException:  # noqa: BLE001 - everything a rank raises must reach the caller
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, True, _to_bytes(value), 0.0))
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises must reach the caller
+        results.put((rank, False, _format_exception(exc), failed_at if failed_at is not None else time.time()))
+
+
+def _arm_stack_dump(path: str) -> None:
+    """On `_DUMP_SIGNAL`, write every Python thread's stack to `path`, after a first line naming the main thread.
+
+    faulthandler writes from the signal handler itself, so the dump comes even while the rank is blocked inside
+    a C++ call, such as a gloo receive whose message will never come.
+    """
+    file = open(path, "w")  # faulthandler keeps a reference: it stays open for the life of the process
+    file.write(f"main thread {threading.get_ident():#018x}\n")
+    file.flush()
+    faulthandler.register(_DUMP_SIGNAL, file=file, all_threads=True)
+
+
+def _format_exception(exc: BaseException) -> str:
+    """The rank's traceback, starting at its own function: the launcher's frames are the same in every failure."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the caller
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def run_ranks(
@@ -91,14 +155,17 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     threads_per_rank: int | None = None,
+    case: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks of one gloo group; return the results by rank.
 
     Inside `fn`, `torch.distributed` is initialised: `dist.get_rank()` and `dist.get_world_size()` work, and the
-    default group spans all ranks. Raises `RankFailed` naming the first rank that raised (with its traceback) and
-    `LaunchTimeout` naming the ranks still running when `timeout` seconds have passed.
+    default group spans all ranks. Raises `RankFailed` naming the rank that failed first (with its traceback) and
+    `LaunchTimeout` naming the ranks still running when `timeout` seconds have passed, with where each was stuck.
+    `case` describes what this launch runs (e.g. "world 3, group [0, 2], shape (7,)") for those messages.
     """
+    __tracebackhide__ = True  # pytest: show the caller's line and the message, not this function's source
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
@@ -108,17 +175,21 @@ def run_ranks(
         )
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    where = fn.__qualname__ + (f" (case: {case})" if case else "")
 
     ctx = _get_context()
     # The caller owns the rendezvous store; port 0 lets the OS pick a free port, so concurrent runs never clash.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     results = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
+    stack_files = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(world_size)]
     processes = []
     for rank in range(world_size):
         process = ctx.Process(
             target=_worker,
-            args=(rank, world_size, store.port, timeout, threads_per_rank, fn, args, kwargs, results),
+            args=(rank, world_size, store.port, timeout, threads_per_rank, fn, args, kwargs, results,
+                  stack_files[rank]),
             name=f"minidist-rank{rank}",
             daemon=True,
         )
@@ -126,26 +197,26 @@ def run_ranks(
         processes.append(process)
 
     outputs: dict[int, Any] = {}
+    failures: dict[int, _Failure] = {}
     deadline = time.monotonic() + timeout
+    settle_by = None
     try:
-        while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                running = sorted(set(range(world_size)) - set(outputs))
-                raise LaunchTimeout(
-                    f"run_ranks({fn.__qualname__}, world_size={world_size}) timed out after {timeout:.0f} s; "
-                    f"rank(s) {running} had not finished"
-                )
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            if failures and now >= min(settle_by, deadline):
+                break
+            if now >= deadline:
+                running = [r for r in range(world_size) if r not in outputs]
+                raise LaunchTimeout(_describe_timeout(where, world_size, timeout, running, processes, stack_files))
             try:
-                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+                _record(results.get(timeout=min(0.2, deadline - now)), outputs, failures)
             except queue.Empty:
-                _check_for_dead_ranks(processes, outputs, results)
-                continue
-            if not ok:
-                failures = {rank: payload}
-                _collect_more_failures(results, failures, outputs, world_size)
-                raise RankFailed(_describe_failures(fn.__qualname__, world_size, failures))
-            outputs[rank] = _from_bytes(payload)
+                _record_a_silent_exit(processes, results, outputs, failures)
+            if failures and settle_by is None:
+                settle_by = time.monotonic() + _SETTLE_S
+        if failures:
+            running = [r for r in range(world_size) if r not in outputs and r not in failures]
+            raise RankFailed(_describe_failures(where, world_size, failures, running))
     finally:
         for process in processes:
             if process.is_alive():
@@ -154,51 +225,107 @@ def run_ranks(
             process.join(timeout=5)
         results.close()
         del store
+        shutil.rmtree(stack_dir, ignore_errors=True)
     return [outputs[rank] for rank in range(world_size)]
 
 
-def _check_for_dead_ranks(processes: list, outputs: dict, results: Any) -> None:
-    """A rank that exits without reporting (segfault, os._exit, OOM kill) fails the run at once."""
+def _record(message: tuple, outputs: dict[int, Any], failures: dict[int, _Failure]) -> None:
+    rank, ok, payload, at = message
+    if ok:
+        outputs[rank] = _from_bytes(payload)
+    else:
+        failures[rank] = _Failure(rank, at, "raised", payload)
+
+
+def _record_a_silent_exit(processes: list, results: Any, outputs: dict[int, Any],
+                          failures: dict[int, _Failure]) -> None:
+    """A rank that exits without reporting (segfault, os._exit, OOM kill) is a failure too."""
     for rank, process in enumerate(processes):
-        if rank not in outputs and process.exitcode is not None:
-            # Its report may have landed between our poll and now; give the queue one last chance.
-            try:
-                reported_rank, ok, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                raise RankFailed(
-                    f"rank {rank} of {len(processes)} exited with code {process.exitcode} without reporting"
-                ) from None
-            if not ok:
-                raise RankFailed(f"rank {reported_rank} of {len(processes)} raised:\n{payload}")
-            outputs[reported_rank] = _from_bytes(payload)
-
-
-# When one rank raises, its peers soon fail too, inside a collective whose connection just closed. Those
-# secondary errors say nothing about the cause, so the report leads with a rank whose error is not one of them.
-_SECONDARY_ERROR_MARKERS = ("DistBackendError", "Connection closed", "Connection reset", "gloo")
-
-
-def _collect_more_failures(results: Any, failures: dict, outputs: dict, world_size: int,
-                           grace_s: float = 2.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while len(failures) + len(outputs) < world_size and time.monotonic() < deadline:
+        if rank in outputs or rank in failures or process.exitcode is None:
+            continue
+        # A rank flushes its report before exiting, but it may have landed just after our poll: one more look.
         try:
-            rank, ok, payload = results.get(timeout=max(0.01, deadline - time.monotonic()))
+            _record(results.get(timeout=0.5), outputs, failures)
         except queue.Empty:
-            return
-        if not ok:
-            failures[rank] = payload
+            failures[rank] = _Failure(rank, time.time(), f"exited with code {process.exitcode} without reporting")
+        return
 
 
-def _describe_failures(name: str, world_size: int, failures: dict[int, str]) -> str:
-    def is_secondary(tb: str) -> bool:
-        last_line = tb.strip().splitlines()[-1]
-        return any(marker in last_line for marker in _SECONDARY_ERROR_MARKERS)
+def _describe_failures(where: str, world_size: int, failures: dict[int, _Failure], running: list[int]) -> str:
+    first, *later = sorted(failures.values(), key=lambda f: f.at)
+    message = f"rank {first.rank} of {world_size} {first.what} in {where}"
+    message += f":\n{first.detail}" if first.detail else "\n"
+    if later:
+        message += f"then the other ranks failed too, most likely because rank {first.rank} had stopped:\n"
+        for f in later:
+            last_line = f.detail.strip().splitlines()[-1] if f.detail else f.what
+            if len(last_line) > _CONSEQUENCE_CHARS:  # gloo's errors run on for a paragraph
+                last_line = last_line[:_CONSEQUENCE_CHARS] + " ..."
+            message += f"  rank {f.rank}, {f.at - first.at:.2f} s later: {last_line}\n"
+    if running:
+        message += f"rank(s) {running} were still running\n"
+    return message.rstrip("\n")
 
-    ordered = sorted(failures, key=lambda r: (is_secondary(failures[r]), r))
-    primary = ordered[0]
-    message = f"rank {primary} of {world_size} raised in {name}:\n{failures[primary]}"
-    others = [f"rank {r}: {failures[r].strip().splitlines()[-1]}" for r in ordered[1:]]
-    if others:
-        message += "then the other ranks failed too:\n  " + "\n  ".join(others)
-    return message
+
+def _describe_timeout(where: str, world_size: int, timeout: float, running: list[int], processes: list,
+                      stack_files: list[str]) -> str:
+    for rank in running:
+        if processes[rank].is_alive():
+            try:
+                os.kill(processes[rank].pid, _DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass  # it exited just now
+    dumps = _read_stack_dumps([stack_files[rank] for rank in running])
+    lines = [f"{where} on {world_size} ranks timed out after {timeout:.0f} s; rank(s) {running} had not finished"]
+    for rank, dump in zip(running, dumps):
+        frames = _innermost_frames(dump)
+        if frames:
+            lines.append(f"  rank {rank} was at (innermost frame first):")
+            lines += [f"    {frame}" for frame in frames]
+        else:
+            lines.append(f"  rank {rank}: no stack dump (it had not started, or had just exited)")
+    lines.append(_DEADLOCK_HINT)
+    return "\n".join(lines)
+
+
+def _read_stack_dumps(paths: list[str], wait_s: float = 1.0) -> list[str]:
+    """The dumps the signalled ranks write; those that have not written within `wait_s` are read as they are."""
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    give_up = time.monotonic() + wait_s
+    while time.monotonic() < give_up and not all("most recent call first" in read(p) for p in paths):
+        time.sleep(0.02)
+    time.sleep(0.02)  # a dump is written in a few calls; let the last one land
+    return [read(p) for p in paths]
+
+
+_FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)')
+
+
+def _innermost_frames(dump: str) -> list[str]:
+    """'file:line function' for the innermost frames of the main thread in a faulthandler dump, above the launcher."""
+    header, _, body = dump.partition("\n")
+    main = header.removeprefix("main thread ").strip()
+    blocks = [b for b in body.split("\n\n") if "most recent call first" in b]
+    if not main or not blocks:
+        return []
+    block = next((b for b in blocks if main in b.splitlines()[0]), blocks[-1])
+    frames = []
+    for m in _FRAME.finditer(block):
+        if m["function"] == "_worker" and os.path.basename(m["file"]) == "launch.py":
+            break  # the launcher's frame and multiprocessing's below it are the same in every dump
+        frames.append(f"{_short_path(m['file'])}:{m['line']} {m['function']}")
+    return frames[:_FRAMES_SHOWN]
+
+
+def _short_path(path: str) -> str:
+    """Relative to the working directory, or to site-packages, when it is below one."""
+    if "site-packages" + os.sep in path:
+        return path.split("site-packages" + os.sep, 1)[1]
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd):] if path.startswith(cwd) else path

@@ -1,4 +1,8 @@
-"""The launcher: results come back by rank, and every way a rank can fail is reported with that rank's number."""
+"""The launcher: results come back by rank, and every way a rank can fail is reported with that rank's number.
+
+A failure report leads with its cause (the rank that failed first, with its own traceback), says what case was
+being run, and a timeout shows where each stuck rank was.
+"""
 
 import os
 import re
@@ -8,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.launch import LaunchTimeout, RankFailed, run_ranks
+from minidist.launch import LaunchTimeout, RankFailed, _describe_failures, _Failure, run_ranks
 
 
 def report(scale: float) -> tuple[int, int, torch.Tensor]:
@@ -37,6 +41,20 @@ def exit_on(bad_rank: int) -> int:
     return dist.get_rank()
 
 
+def send_to_each_other() -> None:
+    peer = 1 - dist.get_rank()
+    dist.send(torch.zeros(1), peer)  # both ranks block here: each waits for a recv the other never reaches
+    dist.recv(torch.zeros(1), peer)
+
+
+def fail_in_turn(first: int, delay_s: float) -> None:
+    """Rank `first` raises at once with a backend-like error; every other rank raises `delay_s` later."""
+    if dist.get_rank() == first:
+        raise RuntimeError("[gloo] Received data size doesn't match expected size")
+    time.sleep(delay_s)
+    raise ConnectionResetError("Connection reset by peer")
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_results_come_back_indexed_by_rank(world_size: int) -> None:
     results = run_ranks(report, world_size, 2.0)
@@ -62,6 +80,47 @@ def test_a_hanging_rank_times_out_and_is_named() -> None:
     unfinished = re.search(r"rank\(s\) \[(.*)\]", str(info.value)).group(1)
     # Rank 1 hangs; on a busy machine a healthy rank may not have finished starting either, so only rank 1 is sure.
     assert "1" in [r.strip() for r in unfinished.split(",")]
+
+
+def test_a_deadlock_times_out_naming_the_stuck_line_and_the_case() -> None:
+    timeout = 2
+    run_ranks(report, 1, 1.0)  # start the forkserver first: its start-up is not part of the timeout
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        run_ranks(send_to_each_other, 2, timeout=timeout, case="world 2, blocking sends")
+    assert time.monotonic() - start < timeout + 5  # the timeout, the stack dumps, and killing the ranks
+    message = str(info.value)
+    assert message.startswith("send_to_each_other (case: world 2, blocking sends) on 2 ranks timed out after 2 s")
+    stuck_line = send_to_each_other.__code__.co_firstlineno + 2  # the dist.send line
+    for rank in (0, 1):
+        assert f"rank {rank} was at" in message
+    assert message.count(f"tests/test_launch.py:{stuck_line} send_to_each_other") == 2, message
+    assert "deadlock? a blocking send waits for a matching recv: post isend and irecv before waiting" in message
+
+
+def test_the_first_rank_to_fail_is_named_as_the_cause() -> None:
+    # Rank 1 fails first, with an error that looks like a backend error; rank 0 fails 0.5 s later. The report must
+    # follow the clock, not the rank number or the wording.
+    with pytest.raises(RankFailed) as info:
+        run_ranks(fail_in_turn, 3, 1, 0.5, timeout=30, case="world 3, uneven sizes")
+    message = str(info.value)
+    first_line, *rest = message.splitlines()
+    assert first_line == "rank 1 of 3 raised in fail_in_turn (case: world 3, uneven sizes):"
+    assert "Received data size doesn't match expected size" in message.split("then the other ranks")[0]
+    consequences = message.split("then the other ranks failed too")[1]
+    assert re.search(r"rank 0, \d+\.\d\d s later: ConnectionResetError: Connection reset by peer", consequences)
+    assert re.search(r"rank 2, \d+\.\d\d s later: ConnectionResetError", consequences)
+    # Short: the rank's own frames, not the launcher's.
+    assert "minidist/launch.py" not in message and len(message.splitlines()) < 15, message
+
+
+def test_reports_are_ordered_by_when_they_failed_not_when_they_arrived() -> None:
+    # A rank's report can arrive after a later failure's (its teardown may be slow): the clock decides the cause.
+    later = _Failure(0, at=100.5, what="raised", detail="Traceback ...\nConnectionResetError: Connection reset\n")
+    first = _Failure(1, at=100.0, what="raised", detail="Traceback ...\nRuntimeError: size mismatch\n")
+    message = _describe_failures("f", 2, {0: later, 1: first}, running=[])
+    assert message.startswith("rank 1 of 2 raised in f:\nTraceback ...\nRuntimeError: size mismatch\n")
+    assert message.endswith("rank 0, 0.50 s later: ConnectionResetError: Connection reset")
 
 
 def test_a_rank_that_exits_is_reported() -> None:

@@ -111,7 +111,11 @@ def _ceil_div(a: int, b: int) -> int:
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda p: f"world{p}")
 def graded(request: pytest.FixtureRequest, impl: str) -> tuple[int, list[dict]]:
     """One launch per world size grades every function of the chapter."""
-    return request.param, run_ranks(grade_worker, request.param, impl, timeout=60)
+    world = request.param
+    halves = [list(range(0, world, 2)), list(range(1, world, 2))]
+    case = (f"world {world}: {impl}.ch00_collectives {', '.join(FUNCTIONS)} on the world group and on the "
+            f"sub-groups {halves[0]} and {halves[1]}, shapes {', '.join(map(str, SHAPES))}")
+    return world, run_ranks(grade_worker, world, impl, timeout=60, case=case)
 
 
 @pytest.mark.parametrize("fn_name", FUNCTIONS)
