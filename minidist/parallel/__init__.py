@@ -10,7 +10,6 @@ docs/ARCHITECTURE.md draws the map.
 from minidist.parallel.data_parallel import (
     Bucket,
     DataParallel,
-    Timeline,
     assign_buckets,
     average_gradients,
     check_batch_split,
@@ -18,7 +17,10 @@ from minidist.parallel.data_parallel import (
 )
 from minidist.parallel.layout import Placement, Split, clip_grad_norm_, grad_norm, placement_of
 from minidist.parallel.parallelize import ParallelModel, ParallelOptions, StepLosses, count_targets, parallelize
-from minidist.parallel.zero import ZeroOptimizer, default_units, storage_bytes, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel.timeline import Timeline
+from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero_bytes import storage_bytes, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel.zero_params import default_units
 
 __all__ = [
     "ParallelModel",

@@ -23,6 +23,10 @@ Gradient accumulation: inside `no_sync()` the hooks only accumulate into the buc
 (outside `no_sync()`) communicates. fp32 reduction: buckets are `reduce_dtype` (fp32 by default) whatever dtype
 the gradients arrive in, so bf16 gradients are summed in fp32 over micro-batches and ranks and rounded once.
 
+What happens to a full bucket is a small strategy object (`GradReduction`): plain data parallelism all-reduces it
+(`AllReduceGrads`); ZeRO reduce-scatters it instead (minidist/parallel/zero_grads.py). The hooks, the bucket order
+and the overlap are the same for all of them, in `DataParallel`.
+
 Everything is sent through a `minidist.comm.Comm` over the group of ranks that hold the same parameters (the
 "dp_cp" group of a Topology), so the ledger sees every byte and the wrapper composes with tensor and pipeline
 parallelism: each tp shard / pp stage averages only with its own replicas.
@@ -31,14 +35,14 @@ parallelism: each tp shard / pp stage averages only with its own replicas.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from minidist.comm import Comm, Handle
+from minidist.parallel.timeline import Timeline, on_completion
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # 4 MiB: a few buckets for the small preset, one or two for tiny
 
@@ -87,7 +91,8 @@ class Bucket:
     """A few parameters whose gradients live side by side in one flat buffer and travel in one collective.
 
     Parameter i occupies [offsets[i], offsets[i] + numels[i]) of the flat layout; the layout is padded with zeros to
-    `padded`, a multiple of `pad_to` (ZeRO pads to the group size so that every rank owns an equal shard).
+    `padded`, a multiple of `pad_to` (the group size, so that every rank owns an equal slice). Rank r of N owns
+    [r·padded/N, (r+1)·padded/N): ZeRO keeps only that slice of some of the tensors below (None where unused).
     """
 
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], pad_to: int = 1) -> None:
@@ -101,8 +106,14 @@ class Bucket:
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.numel = sum(self.numels)
         self.padded = -(-self.numel // pad_to) * pad_to
-        self.grad: torch.Tensor | None = None  # the flat gradient buffer (allocated by the owner)
-        self.grad_views: list[torch.Tensor] = []  # each parameter's view of it
+        # Gradients. `grad` is the full flat buffer the hooks accumulate into (ZeRO-2/3: only while in flight).
+        self.grad: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []  # each parameter's view of `grad`
+        self.grad_shard: torch.Tensor | None = None  # ZeRO: this rank's slice of the averaged gradient
+        # Parameters. Plain data parallelism leaves them where they are; ZeRO moves them here.
+        self.param_flat: torch.Tensor | None = None  # ZeRO-1/2: the parameters, as views of this flat buffer
+        self.param_shard: torch.Tensor | None = None  # ZeRO: this rank's slice, what its optimizer updates
+        # The collective of the current step.
         self.ready = 0  # gradients that arrived during the current backward
         self.handle: Handle | None = None
         self.after_wait: Callable[[], None] | None = None  # a timeline callback to run once the handle is waited
@@ -115,6 +126,12 @@ class Bucket:
         """[start, stop) of the flat layout that rank `rank` of `world` owns (padded must divide by world)."""
         size = self.padded // world
         return rank * size, (rank + 1) * size
+
+    def allocate_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed full gradient buffer, and the parameters' views of it."""
+        self.grad = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
+        self.grad_views = self.views(self.grad)
+        return self.grad
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}: {len(self.params)} params, {self.numel} elements, {self.names[0]}..)"
@@ -142,47 +159,65 @@ def assign_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_byte
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Timeline: when gradients became ready and when each bucket's collective started and finished
+# What to do with a full bucket: the reduction strategy
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Timeline:
-    """Events (kind, seconds since `t0`, label) recorded during a step; chapter 07 draws them.
+class GradReduction(Protocol):
+    """How `DataParallel` reduces a bucket: where its gradient lives, what to launch, what to do on completion."""
 
-    kinds: "grad" (a parameter's gradient is accumulated; label = name), "launch" / "done" (a bucket's collective
-    started / completed, label = bucket index), "backward_end", "wait_end" (finish_grad_sync returned), and whatever
-    the caller adds with `mark` (e.g. "forward_start").
-    """
+    every_microbatch: bool  # reduce after every backward, `no_sync` or not (the full buffer cannot wait)
+    max_in_flight: int | None  # at most this many buckets in flight (their full buffers are alive); None: any
 
-    t0: float = field(default_factory=time.perf_counter)
-    events: list[tuple[str, float, object]] = field(default_factory=list)
+    def setup(self, bucket: Bucket) -> None:
+        """Allocate what lives as long as the wrapper (once per bucket, at construction)."""
 
-    def mark(self, kind: str, label: object = None) -> None:
-        # list.append is atomic under the GIL: "done" events arrive from the communication thread.
-        self.events.append((kind, time.perf_counter() - self.t0, label))
+    def buffer(self, bucket: Bucket) -> torch.Tensor:
+        """The full flat buffer that gradients accumulate into (allocated here if it lives only per backward)."""
 
-    def reset(self) -> None:
-        self.t0 = time.perf_counter()
-        self.events.clear()
+    def launch(self, bucket: Bucket) -> Handle:
+        """Start the bucket's collective, asynchronously."""
+
+    def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
+        """The collective finished with `result` (its output tensor): put the reduced gradient where it lives."""
+
+    def reset(self, bucket: Bucket) -> None:
+        """Zero the accumulated gradient for a new step."""
+
+    def publish(self, bucket: Bucket) -> None:
+        """After the last bucket completed: show the optimizer the reduced gradient."""
 
 
-def _on_completion(handle: Handle, callback: Callable[[], None]) -> Callable[[], None] | None:
-    """Arrange for `callback()` when the collective behind `handle` completes (for the timeline only).
+class AllReduceGrads:
+    """Plain data parallelism: a full `reduce_dtype` bucket per group of parameters, kept for the whole run, and one
+    all-reduce (average) per bucket per step. Afterwards every parameter's `.grad` is its view of the bucket."""
 
-    Returns None when torch will call it (a future on the communication thread), else the callback itself, to be
-    called after `handle.wait()`. gloo's reduce-scatter has no future: it runs inside wait(), so the moment wait
-    returns is its true completion (and waiting on it from another thread would run it twice).
-    """
-    work = getattr(handle, "_work", None)  # Comm's Handle wraps the torch Work of a real collective
-    if work is None:
-        callback()
-        return None
-    try:
-        work.get_future().then(lambda _: callback())
-        return None
-    except RuntimeError:  # "Work::getFuture not implemented"
-        return callback
+    every_microbatch = False
+    max_in_flight = None
+
+    def __init__(self, comm: Comm, reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+
+    def setup(self, bucket: Bucket) -> None:
+        bucket.allocate_grad(self.reduce_dtype)
+
+    def buffer(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.grad
+
+    def launch(self, bucket: Bucket) -> Handle:
+        return self.comm.all_reduce(bucket.grad, op="avg", async_op=True)
+
+    def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
+        """Nothing: the all-reduce averaged the bucket in place."""
+
+    def reset(self, bucket: Bucket) -> None:
+        bucket.grad.zero_()
+
+    def publish(self, bucket: Bucket) -> None:
+        for param, view in zip(bucket.params, bucket.grad_views):
+            param.main_grad = view
+            param.grad = view if view.dtype == param.dtype else view.to(param.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,19 +240,18 @@ class DataParallel:
     After `finish_grad_sync()`, `p.grad` is a view of the fp32 bucket (p.grad = the bucket cast to p's dtype when the
     parameter is not fp32; `p.main_grad` is always the fp32 view). The next forward with gradients enabled starts a
     fresh accumulation (gradients and buckets are cleared), so `optimizer.zero_grad()` is optional.
-    """
 
-    # Subclasses (ZeRO) reduce every micro-batch; plain data parallelism communicates on the last one only.
-    sync_every_microbatch = False
+    `reduction` replaces the all-reduce (ZeRO passes a reduce-scatter, and its own `buckets`).
+    """
 
     def __init__(self, model: nn.Module, comm: Comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, reduce_dtype: torch.dtype = torch.float32, timeline: Timeline | None = None,
-                 buckets: list[Bucket] | None = None) -> None:
+                 buckets: list[Bucket] | None = None, reduction: GradReduction | None = None) -> None:
         self.model = model
         self.comm = comm
         self.overlap = overlap
-        self.reduce_dtype = reduce_dtype
         self.timeline = timeline
+        self.reduction = reduction if reduction is not None else AllReduceGrads(comm, reduce_dtype)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients")
@@ -230,24 +264,16 @@ class DataParallel:
         missing = [n for n, p in named if id(p) not in self._slot]
         if missing:
             raise ValueError(f"parameters {missing[:3]} are in no bucket; every trainable parameter must be")
-        self._allocate_grad_buffers()
+        for bucket in self.buckets:
+            self.reduction.setup(bucket)
         self._sync = True
         self._in_backward = False
         self._pending = False  # gradients accumulated since the last reduction
         self._stale = False  # gradients of the last step are published; the next forward clears them
         self._next_launch = 0
+        self._in_flight: list[Bucket] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
-
-    # -- buffers (ZeRO overrides these) -----------------------------------------------------------------------------
-
-    def _allocate_grad_buffers(self) -> None:
-        for bucket in self.buckets:
-            bucket.grad = torch.zeros(bucket.padded, dtype=self.reduce_dtype, device=bucket.params[0].device)
-            bucket.grad_views = bucket.views(bucket.grad)
-
-    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.grad
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -267,10 +293,16 @@ class DataParallel:
         if self._pending:
             self._launch_all()
         self._complete_all()
-        self._publish()
+        for bucket in self.buckets:
+            self.reduction.publish(bucket)
         self._stale = True
         if self.timeline is not None:
             self.timeline.mark("wait_end")
+
+    def zero_grad(self) -> None:
+        """Drop this step's gradients now (the next forward would anyway), after finishing its collectives."""
+        self.finish_grad_sync()
+        self._reset()
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -288,8 +320,7 @@ class DataParallel:
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad = None
-            if bucket.grad is not None:
-                bucket.grad.zero_()
+            self.reduction.reset(bucket)
         self._stale = False
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -305,9 +336,8 @@ class DataParallel:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         self._pending = True
         bucket, i = self._slot[id(param)]
-        self._grad_buffer(bucket)
-        view = bucket.grad_views[i]
-        view.add_(param.grad)  # accumulate (and cast to reduce_dtype): the bucket is the gradient's only home
+        self.reduction.buffer(bucket)
+        bucket.grad_views[i].add_(param.grad)  # accumulate (and cast): the bucket is the gradient's only home
         param.grad = None
         if self.timeline is not None:
             self.timeline.mark("grad", bucket.names[i])
@@ -323,13 +353,11 @@ class DataParallel:
             self._launch_all()  # parameters that got no gradient (unused this step) count as zero
         for bucket in self.buckets:
             bucket.ready = 0
-        self._after_backward()
-
-    def _after_backward(self) -> None:
-        """Hook for subclasses: ZeRO-2/3 finish their reduce-scatters after every backward."""
+        if self.reduction.every_microbatch:  # the reduced gradient must be stored before the next backward
+            self._complete_all()
 
     def _syncing(self) -> bool:
-        return self._sync or self.sync_every_microbatch
+        return self._sync or self.reduction.every_microbatch
 
     # -- launching and completing collectives ---------------------------------------------------------------------
 
@@ -348,33 +376,30 @@ class DataParallel:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.handle = self._start_collective(bucket)
+        bucket.handle = self.reduction.launch(bucket)
         if self.timeline is not None:
             self.timeline.mark("launch", bucket.index)
-            bucket.after_wait = _on_completion(bucket.handle, lambda: self.timeline.mark("done", bucket.index))
+            bucket.after_wait = on_completion(bucket.handle, lambda: self.timeline.mark("done", bucket.index))
+        # A bound on the buckets in flight bounds their memory. (gloo runs a reduce-scatter inside wait(), so
+        # without it every bucket would stay alive until backward ends.)
+        self._in_flight.append(bucket)
+        limit = self.reduction.max_in_flight
+        while limit is not None and len(self._in_flight) > limit:
+            self._complete(self._in_flight.pop(0))
 
-    def _start_collective(self, bucket: Bucket) -> Handle:
-        return self.comm.all_reduce(self._grad_buffer(bucket), op="avg", async_op=True)
-
-    def _wait(self, bucket: Bucket) -> None:
-        bucket.handle.wait()
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.handle is None:
+            return
+        result = bucket.handle.wait()
         bucket.handle = None
         if bucket.after_wait is not None:
             bucket.after_wait()
             bucket.after_wait = None
-
-    def _complete(self, bucket: Bucket) -> None:
-        if bucket.handle is not None:
-            self._wait(bucket)
+        self.reduction.complete(bucket, result)
 
     def _complete_all(self) -> None:
         for bucket in self.buckets:
             self._complete(bucket)
+        self._in_flight.clear()
         self._next_launch = 0
         self._pending = False
-
-    def _publish(self) -> None:
-        for bucket in self.buckets:
-            for param, view in zip(bucket.params, bucket.grad_views):
-                param.main_grad = view
-                param.grad = view if view.dtype == param.dtype else view.to(param.dtype)
