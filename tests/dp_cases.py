@@ -23,11 +23,14 @@ import torch.distributed as dist
 from minidist.comm import Ledger
 from minidist.health import replica_hash
 from minidist.launch import run_ranks
-from minidist.model import build_model, lm_loss
+from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 from minidist.parallel import DataParallel, Timeline, ZeroOptimizer, average_gradients, split_batch
 from minidist.topology import ParallelDims, Topology
 
 SMALL_BUCKET = 64 * 1024  # bytes: several buckets for the tiny test model, so ordering and overlap are exercised
+# The parity model with mixture-of-experts MLPs (dropless top-2 of 4: every token's output is independent of the batch).
+MOE_CFG: ModelConfig = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+                                  moe=dict(n_experts=4, top_k=2))
 
 # name -> (kind, stage, microbatches)
 CASES: dict[str, tuple[str, int, int]] = {
@@ -43,12 +46,13 @@ CASES: dict[str, tuple[str, int, int]] = {
 }
 
 
-def _train(kind: str, stage: int, microbatches: int, topo: Topology, steps: int = parity.STEPS) -> dict:
+def _train(kind: str, stage: int, microbatches: int, topo: Topology, steps: int = parity.STEPS,
+           cfg: ModelConfig = parity.CFG) -> dict:
     """Train `steps` steps of the parity setup under one variant; return losses, step-0 gradients, ledger per step."""
     rank, world = topo.coord("dp_cp"), topo.size("dp_cp")
     ledger = Ledger()
     comm = topo.comm("dp_cp", ledger)
-    model = build_model(parity.CFG, seed=parity.SEED)
+    model = build_model(cfg, seed=parity.SEED)
     numel = sum(p.numel() for p in model.parameters())  # before ZeRO-3 frees them
     optimizer = parity.make_optimizer(model.parameters())
     timeline = Timeline()
@@ -104,7 +108,7 @@ def _train(kind: str, stage: int, microbatches: int, topo: Topology, steps: int 
         out["memory"] = engine.memory_bytes()
         out["padded"] = engine.padded_numel
         out["buckets"] = len(engine.buckets)
-        out["pieces"] = len(engine.pieces) if stage else sum(1 for _ in model.parameters())
+        out["pieces"] = len(engine.grad_pieces()) if stage else sum(1 for _ in model.parameters())
         out["peak_transient"] = engine.peak_transient_bytes()
         out["unit_bytes"] = [4 * b.padded for b in engine.buckets]
         params = engine.full_parameters()
@@ -240,6 +244,7 @@ def run_all(world: int, out_root: str) -> dict:
     if world == 2:
         results.update({f"checkpoint_zero{s}": _checkpoint_case(s, topo) for s in range(4)})
         results["bf16"] = _bf16_case(topo)
+        results["zero2_moe"] = _train("zero", 2, 1, topo, cfg=MOE_CFG)
         results["trainer"] = _trainer_cases(topo, out_root)
     return results
 

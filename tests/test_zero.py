@@ -7,6 +7,8 @@ test_data_parallel.py.
 
 from __future__ import annotations
 
+import functools
+
 import dp_cases
 import parity
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from minidist.comm import Comm, ring_bytes_sent
 from minidist.model import build_model, lm_loss
-from minidist.parallel import ZeroOptimizer, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel import ZeroOptimizer, clip_grad_norm_, placement_of, zero_comm_bytes, zero_memory_bytes
 
 WORLDS = (2, 4)
 STAGES = (0, 1, 2, 3)
@@ -44,8 +46,38 @@ def test_global_grad_norm_across_shards(world: int, stage: int) -> None:
     """The norm each rank reports (sum of its shard's squares, all-reduced) is the single-device norm."""
     reference = parity.reference_run()["grad_norms"]
     for r in dp_cases.results(world):
-        for got, want in zip(r[f"zero{stage}_m1"]["norms"], reference):
-            assert got == pytest.approx(want, rel=1e-5)
+        for got, want in zip(r[f"zero{stage}_m1"]["norms"], reference, strict=True):
+            assert got == pytest.approx(want, rel=1e-6)
+
+
+@functools.cache
+def moe_reference() -> dict:
+    """One process on the MoE model: losses and gradient norms (the package's fp64 norm) of the parity steps."""
+    model = build_model(dp_cases.MOE_CFG, seed=parity.SEED)
+    optimizer = parity.make_optimizer(model.parameters())
+    losses, norms = [], []
+    for step in range(parity.STEPS):
+        inputs, targets = parity.global_batch(step)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        pieces = [(p.grad, placement_of(p)) for p in model.parameters() if p.grad is not None]
+        norms.append(clip_grad_norm_(pieces, parity.GRAD_CLIP, {}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms}
+
+
+def test_zero2_grad_norm_of_an_moe_model_is_the_one_process_norm(one_thread) -> None:
+    """dp=2, ZeRO-2, MoE blocks, clipping active: every step's reported norm (each rank's shard pieces, squares
+    summed in fp64 over dp_cp) is the one-process norm to 1e-6, and the losses follow the one-process run."""
+    reference = moe_reference()
+    assert reference["norms"][0] > parity.GRAD_CLIP  # the clipping is active, so later steps depend on the norm
+    for r in dp_cases.results(2):
+        out = r["zero2_moe"]
+        for got, want in zip(out["norms"], reference["norms"], strict=True):
+            assert got == pytest.approx(want, rel=1e-6)
+    parity.assert_losses_match(mean_losses(2, "zero2_moe"), reference["losses"], "dp=2 zero2 MoE")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -73,8 +105,8 @@ def test_ledger_bytes_per_step(world: int, stage: int, micro: int) -> None:
             got = {op: v["bytes"] for (op, group), v in entry.items() if group == "dp_cp"}
             norm = got.pop("all_reduce") if stage > 0 else 0
             assert got == {op: k * one(out["padded"]) for op, k in want[stage].items()}, f"{case} rank {rank}"
-            if stage > 0:  # plus one fp32 scalar all-reduce: the global gradient norm
-                assert norm == ring_bytes_sent("all_reduce", (1,), 4, world, rank)
+            if stage > 0:  # plus one fp64 scalar all-reduce: the global gradient norm over the shards
+                assert norm == ring_bytes_sent("all_reduce", (), 8, world, rank)
                 assert entry[("all_reduce", "dp_cp")]["calls"] == 1
             formula = zero_comm_bytes(out["padded"], world, stage, micro)
             assert got == pytest.approx(formula)

@@ -27,15 +27,17 @@ owns the r-th equal slice of each), from three parts:
 Bytes per step: reduce-scatter + all-gather = one all-reduce, as in plain data parallelism (stages 1-2, §7.2.1);
 stage 3 gathers the parameters twice per micro-batch: 1.5x (§7.2.2).
 
-Global-norm clipping: each rank sums the squares of its gradient shard, one all-reduce adds the sums; no gradient
-element is counted twice (padding is zero).
+Global-norm clipping uses the package's one gradient norm (`layout.clip_grad_norm_`): `grad_pieces()` are this
+rank's slices of the averaged gradient, disjoint over the dp_cp group, so their squares are summed over it
+(`norm_groups()`); a caller adds the groups its model is split over (tp, pp). At stage 0 every rank holds the
+same whole gradient: nothing to sum over dp_cp.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ from minidist.parallel.data_parallel import (
     Timeline,
     assign_buckets,
 )
+from minidist.parallel.layout import GradPiece, clip_grad_norm_, placement_of
 from minidist.parallel.zero_bytes import PeakBytes, storage_bytes
 from minidist.parallel.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
 from minidist.parallel.zero_params import FlatParams, ParamHome, ShardedParams, default_units, unit_buckets
@@ -87,6 +90,7 @@ class ZeroOptimizer:
         self.transient = {"gathered_params": PeakBytes(), "grad_buckets": PeakBytes()}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.numel = sum(p.numel() for _, p in named)
+        self.placements = {id(p): placement_of(p) for _, p in named}  # before ZeRO-3 empties the parameters
         if stage == 3:  # one bucket per gather unit, in backward order: the blocks last to first, then the root
             modules = [*reversed(list(units if units is not None else default_units(model))), None]
             self.buckets, modules = unit_buckets(named, modules, comm.size)
@@ -108,23 +112,26 @@ class ZeroOptimizer:
             return ReduceScatterOnce(self.comm)
         return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], after_launch=self.params.release)
 
+    def _owned_slices(self) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """(parameter, its slice of this rank's parameter shard, the same slice of the gradient shard), for every
+        parameter that overlaps this rank's slice of its bucket. Views: updating them updates the shards."""
+        for bucket in self.buckets:
+            start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
+            for param, offset, n in zip(bucket.params, bucket.offsets, bucket.numels):
+                lo, hi = max(offset, start) - start, min(offset + n, stop) - start
+                if lo < hi:
+                    yield param, bucket.param_shard[lo:hi], bucket.grad_shard[lo:hi]
+
     def _shard_optimizer(self, template: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The template's optimizer class and param groups, over this rank's slices of each parameter."""
         group_of = {id(p): i for i, g in enumerate(template.param_groups) for p in g["params"]}
+        missing = [b.names[i] for b in self.buckets for i, p in enumerate(b.params) if id(p) not in group_of]
+        if missing:
+            raise ValueError(f"parameter {missing[0]} requires grad but is not in the optimizer")
         pieces: list[list[torch.Tensor]] = [[] for _ in template.param_groups]
-        self.pieces: list[tuple[str, int, int]] = []  # (parameter name, first, last element) held by this rank
-        for bucket in self.buckets:
-            start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
-            for name, param, offset, n in zip(bucket.names, bucket.params, bucket.offsets, bucket.numels):
-                if id(param) not in group_of:
-                    raise ValueError(f"parameter {name} requires grad but is not in the optimizer")
-                lo, hi = max(offset, start), min(offset + n, stop)
-                if lo >= hi:
-                    continue
-                piece = bucket.param_shard[lo - start:hi - start]
-                piece.grad = bucket.grad_shard[lo - start:hi - start]
-                pieces[group_of[id(param)]].append(piece)
-                self.pieces.append((name, lo - offset, hi - offset))
+        for param, piece, grad in self._owned_slices():
+            piece.grad = grad
+            pieces[group_of[id(param)]].append(piece)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": p}
                   for g, p in zip(template.param_groups, pieces)]
         accepted = inspect.signature(type(template).__init__).parameters
@@ -148,29 +155,25 @@ class ZeroOptimizer:
     def finish_grad_sync(self) -> None:
         self.grads.finish_grad_sync()
 
-    @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradients to a global L2 norm of at most `max_norm` (0: no clipping); return the norm before.
-
-        Same rule as torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)).
-        """
-        self.finish_grad_sync()
+    def grad_pieces(self) -> list[GradPiece]:
+        """This rank's averaged gradient as (tensor, placement) pieces for `layout.grad_norm`, after
+        `finish_grad_sync()`: each parameter's slice of the gradient shards (views, so scaling them in place scales
+        what the optimizer step reads); at stage 0, each parameter's whole `.grad`."""
         if self.stage == 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None)
-            if max_norm > 0:  # takes the parameters (it scales their .grad), not the gradients
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            return norm.item()
-        local = torch.zeros(1, dtype=torch.float32, device=self.buckets[0].grad_shard.device)
-        for bucket in self.buckets:
-            shard = bucket.grad_shard.float()
-            local += torch.dot(shard, shard)
-        norm = self.comm.all_reduce(local, op="sum").sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for bucket in self.buckets:
-                bucket.grad_shard.mul_(coef)
-        return norm.item()
+            return [(p.grad, self.placements[id(p)]) for b in self.buckets for p in b.params if p.grad is not None]
+        return [(grad, self.placements[id(param)]) for param, _, grad in self._owned_slices()]
+
+    def norm_groups(self) -> dict[str, Comm]:
+        """The groups over which `grad_pieces()` are disjoint: dp_cp when sharded; none when every rank holds the
+        same reduced gradient (stage 0)."""
+        return {"dp_cp": self.comm} if self.stage > 0 else {}
+
+    def clip_grad_norm(self, max_norm: float, extra_groups: dict[str, Comm] | None = None) -> float:
+        """Finish the gradient sync, then scale the gradients to a global L2 norm of at most `max_norm` (0: measure
+        only); return the norm before clipping. `extra_groups` are the other groups the model is split over (e.g.
+        {"tp": ..., "pp": ...}): the norm is then the whole model's."""
+        self.finish_grad_sync()
+        return clip_grad_norm_(self.grad_pieces(), max_norm, {**self.norm_groups(), **(extra_groups or {})})
 
     @torch.no_grad()
     def step(self) -> None:
