@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# A demo: --overwrite replaces the previous `make train` run in runs/tiny, so it can be run again and again.
 train: $(STAMP)
-	$(PY) -m minidist.train --config configs/default.toml
+	$(PY) -m minidist.train --config configs/default.toml --overwrite
 
 test: $(STAMP)
 	$(PY) -m ruff check .

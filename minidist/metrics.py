@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from minidist.plots import read_metrics
-
 
 class MetricsWriter:
     """Appends one JSON object per optimizer step to metrics.jsonl, flushed at once (a crash loses nothing)."""
@@ -27,10 +25,21 @@ class MetricsWriter:
 
 
 def start_metrics(path: Path, keep_before: int) -> None:
-    """Keep the records of steps < keep_before (those a resumed run does not redo), drop the rest."""
-    kept = [r for r in read_metrics(path) if r["step"] < keep_before] if keep_before and path.exists() else []
+    """A fresh run (keep_before 0) creates the file and never truncates one (FileExistsError: OUT's checks let no
+    run through here). A run resumed at step keep_before keeps the records of the steps it does not redo."""
+    if not keep_before:
+        open(path, "x").close()
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a crash mid-write (or not ours): no step to keep
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < keep_before:
+            kept.append(line + "\n")
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(kept))
     os.replace(tmp, path)
 
 

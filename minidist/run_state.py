@@ -30,23 +30,30 @@ def save_run(run: Any, steps_done: int) -> None:
     barrier = dist.barrier if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
                                world_size=run.env.world_size, barrier=barrier)
+    if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
+        checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
 
 
 def restore_run(run: Any) -> int | None:
     """With --resume, load the latest checkpoint in OUT and return its step (None: none there, start at 0).
-    Without --resume, clear OUT's old checkpoints (rank 0). A mismatch is a ValueError naming what differs."""
+    Deletes nothing: a fresh run reaches here only into an OUT without a run (minidist.run_dir checks it).
+    A damaged checkpoint or a mismatch is a one-line ValueError naming the file or what differs."""
     root = run.out / "checkpoints"
     step = checkpoint.latest_step(root) if run.cfg.resume else None
     if step is None:
-        if not run.cfg.resume and run.is_main:
-            checkpoint.remove_checkpoints(root)
         return None
     state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
-    check_same_run(meta["config"], config_to_values(run.cfg))
-    run.schedule.load_state_dict(state["schedule"])
-    run.sampler.load_state_dict(state["sampler"])
-    run.parallel.load_state_dict(state)
-    set_rng_state(state["rng"])
+    saved = meta.get("config")
+    check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
+    try:  # plain data by now, but not necessarily the shape this run expects
+        run.schedule.load_state_dict(state["schedule"])
+        run.sampler.load_state_dict(state["sampler"])
+        run.parallel.load_state_dict(state)
+        set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        lines = str(e).splitlines() or [""]
+        path = checkpoint_dir(root, step) / checkpoint.rank_file(run.env.rank)
+        raise ValueError(f"{path} does not fit this run: {type(e).__name__} {lines[0]}") from None
     return step
 
 

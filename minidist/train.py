@@ -2,8 +2,9 @@
 
 Read it top to bottom:
 
-1. `train(cfg)`: check the settings and the layout (`minidist.train_config`, `minidist.distributed`: one-line
-   errors before any process group exists), join the process group, `setup`, resume, `train_loop`.
+1. `train(cfg)`: check the settings, the layout and OUT (`minidist.train_config`, `minidist.distributed`,
+   `minidist.run_dir`: one-line errors before any process group exists; a run in OUT is never replaced unless
+   --overwrite says so), join the process group, `setup`, resume, `train_loop`.
 2. `setup`: the corpus, the full model built from (seed, parameter names) alone, and `parallelize` (in
    `minidist.parallel`), which applies the parallel dimensions in one order and returns a `ParallelModel`: the
    only object the loop talks to, whatever the layout.
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import flops, health, metrics, run_state
+from minidist import flops, health, metrics, run_dir, run_state
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.distributed import DistEnv, init_distributed, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig, build_model
@@ -89,6 +90,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_config(cfg)
     env = DistEnv.detect()
     dims = resolve_parallel_dims(cfg, env.world_size)  # before any process group: a bad layout fails fast
+    run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     device = pick_device(cfg.device, env)
     topo, created_group = init_distributed(dims, env, device)
     try:
@@ -117,8 +119,8 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast_for(cfg.dtype, device),
               out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus, counts)
-    if run.is_main:
-        run.out.mkdir(parents=True, exist_ok=True)
+    run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
+                        barrier=dist.barrier if env.world_size > 1 else None)
     return run
 
 
@@ -177,7 +179,7 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
 
 
 def resume(run: Run) -> None:
-    """--resume: continue from OUT's latest checkpoint; otherwise start at step 0 (old checkpoints cleared)."""
+    """--resume: continue from OUT's latest checkpoint; otherwise start at step 0 (OUT holds no run by now)."""
     try:
         step = run_state.restore_run(run)
     except ValueError as e:
@@ -194,10 +196,10 @@ def resume(run: Run) -> None:
 def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,
                grad_clip: float, autocast: Callable = contextlib.nullcontext) -> tuple[StepLosses, float]:
     """One optimizer step on this rank's micro-batches of one global batch; returns (losses, grad norm before
-    clipping). Stops (TrainingDiverged) before a non-finite update."""
+    clipping). Stops (TrainingDiverged) before a non-finite update, naming the step as the progress line does."""
     losses = parallel.forward_backward(batches, autocast)
     grad_norm = parallel.clip_grad_norm_(grad_clip)
-    health.check_finite(step, losses.loss, grad_norm)
+    health.check_finite(step + 1, losses.loss, grad_norm)  # `step` is 0-based; "step 3/200" is index 2
     parallel.step()
     return losses, grad_norm
 

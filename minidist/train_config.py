@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -73,7 +74,9 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     ckpt_every: int = 100
+    keep: int = 3  # checkpoints kept: the newest ones (and always the one `latest` names)
     resume: bool = False
+    overwrite: bool = False  # replace the run in OUT (its checkpoints, metrics, run.json, loss.png)
     out: str = "runs/tiny"
     seed: int = 0
     peak_flops: float | None = None
@@ -111,6 +114,7 @@ FLAGS: list[tuple[str, str]] = [
     ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
     ("--log-every", "progress line every N steps"),
     ("--ckpt-every", "checkpoint every N steps and at the end (0: never)"),
+    ("--keep", "keep only the N newest checkpoints (never the one OUT/checkpoints/latest names)"),
     ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
     ("--seed", "seed of the initialization and of the data order"),
     ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
@@ -134,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind = next(t for t in (typing.get_args(hints[key]) or (hints[key],)) if t is not type(None))
         parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text} (default: {getattr(defaults, key)})")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run in OUT (only the trainer's "
+                        "files: checkpoints/, metrics.jsonl, run.json, loss.png); without it a run there is refused")
     parser.add_argument("--sp", action="store_true", help="sequence parallel: outside the tensor-parallel regions "
                         "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
     parser.add_argument("--tp-reduce-fp32", action="store_true",
@@ -162,11 +168,17 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
 
 
 def read_toml(path: str) -> dict[str, Any]:
+    if not Path(path).exists():
+        raise ConfigError(f"config file {path!r} does not exist")
+    if not Path(path).is_file():  # a directory, or a device or pipe that could be read forever
+        raise ConfigError(f"config file {path!r} is not a regular file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start}); is it a binary file?") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
 
@@ -232,21 +244,52 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
+    overrides = _typed_fields(ModelConfig, cfg.model_overrides, "model")
     try:
-        return get_preset(cfg.model, **cfg.model_overrides)
+        return get_preset(cfg.model, **overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
 
 
+def _typed_fields(cls: type, values: Any, where: str) -> dict[str, Any]:
+    """`values` checked against the field types of dataclass `cls`: n_layers=2.0 is not an int, moe=3 is not a
+    table. Sub-configs (tables) are checked field by field; unknown names are left for the model to report."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a table (e.g. {where}={{...}}), got {values!r}")
+    hints = typing.get_type_hints(cls)
+    typed = {}
+    for key, value in values.items():
+        hint, name = hints.get(key), f"{where}.{key}"
+        if hint is None:
+            typed[key] = value
+        elif dataclasses.is_dataclass(hint):  # a table, or already the sub-config itself
+            typed[key] = value if isinstance(value, hint) else _typed_fields(hint, value, name)
+        else:
+            typed[key] = _coerce(name, value, hint)
+    return typed
+
+
+def _non_finite(values: Any, where: str = "") -> list[str]:
+    """Names of the float settings in `values` (nested dicts) that are NaN or infinite."""
+    if isinstance(values, dict):
+        return [bad for k, v in values.items() for bad in _non_finite(v, f"{where}.{k}" if where else k)]
+    return [f"{where}={values}"] if isinstance(values, float) and not math.isfinite(values) else []
+
+
 def check_config(cfg: TrainConfig) -> ModelConfig:
     """Raise a one-line ConfigError for the first bad setting; return the resolved model config."""
+    non_finite = _non_finite(config_to_values(cfg))
+    if non_finite:
+        raise ConfigError(f"settings must be finite numbers, got {', '.join(non_finite)}")
     mcfg = model_config(cfg)
     at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
                 "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-                "virtual_stages": 1}
+                "virtual_stages": 1, "keep": 1}
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in OUT and --overwrite replaces it; give one of them")
     if cfg.dp is not None and cfg.dp < 1:
         raise ConfigError(f"dp must be >= 1, got {cfg.dp}")
     if cfg.batch_size % cfg.microbatches:

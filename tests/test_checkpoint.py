@@ -38,7 +38,7 @@ def test_resume_is_bitwise_exact(tmp_path, model):
     out = tmp_path / "run"
     full = train.train(small_config(out, model_overrides=model))
     uninterrupted = records(out)
-    final_model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=False)["model"]
+    final_model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=True)["model"]
 
     # Pretend the run crashed after step 5 with its last checkpoint at step 3: metrics hold steps 0..5.
     shutil.rmtree(out / "checkpoints" / "step_000006")
@@ -49,7 +49,7 @@ def test_resume_is_bitwise_exact(tmp_path, model):
     assert resumed["losses"] == full["losses"][3:]  # bitwise: == on floats
     assert resumed["val_losses"] == {k: v for k, v in full["val_losses"].items() if k >= 3}
     assert without_timing(records(out)) == without_timing(uninterrupted)  # each step logged once, same values
-    model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=False)["model"]
+    model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=True)["model"]
     assert all(torch.equal(model[k], final_model[k]) for k in final_model)
 
 
@@ -62,12 +62,13 @@ def test_resume_refuses_other_settings(tmp_path):
         train.train(small_config(out, steps=5, resume=True))
 
 
-def test_resume_without_checkpoint_starts_fresh_and_fresh_run_clears_old_ones(tmp_path):
+def test_resume_without_checkpoint_starts_fresh_and_overwrite_clears_old_ones(tmp_path):
     out = tmp_path / "run"
     summary = train.train(small_config(out, steps=3, resume=True))
     assert summary["steps"] == [0, 1, 2] and summary["resumed_from"] is None
     assert checkpoint.latest_step(out / "checkpoints") == 3
-    train.train(small_config(out, steps=2, ckpt_every=0))  # a fresh run must not leave the old latest behind
+    # --overwrite replaces the run: it must not leave the old latest behind for a later --resume
+    train.train(small_config(out, steps=2, ckpt_every=0, overwrite=True))
     assert checkpoint.latest_step(out / "checkpoints") is None
     assert [r["step"] for r in records(out)] == [0, 1]
 
@@ -81,7 +82,10 @@ def test_layout_and_atomic_publication(tmp_path):
     assert (root / "latest").read_text().strip() == "step_000004"
     assert not list(root.glob(".tmp*"))
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["step"] == 4 and meta["world_size"] == 1 and meta["files"] == ["rank0.pt"] and meta["note"] == "hi"
+    assert meta["step"] == 4 and meta["world_size"] == 1 and list(meta["files"]) == ["rank0.pt"]
+    assert meta["files"]["rank0.pt"] == {"bytes": (path / "rank0.pt").stat().st_size,
+                                         "sha256": checkpoint.sha256_file(path / "rank0.pt")}
+    assert meta["note"] == "hi"
     loaded, meta2 = checkpoint.load_checkpoint(root, 4)
     assert torch.equal(loaded["w"], state["w"]) and loaded["rng"] == (1, 2, 3) and meta2 == meta
 
@@ -120,4 +124,4 @@ def test_each_rank_writes_its_own_file(tmp_path):
     for rank in range(world):
         state, meta = checkpoint.load_checkpoint(root, 10, rank=rank, world_size=world)
         assert torch.equal(state["shard"], torch.full((2,), float(rank)))
-    assert meta["files"] == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    assert sorted(meta["files"]) == ["rank0.pt", "rank1.pt", "rank2.pt"]  # each rank's size and SHA-256

@@ -282,12 +282,16 @@ def test_text_directory_as_data(tmp_path):
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
 
 
-def test_nan_guard_stops_at_the_step(tmp_path):
-    # lr 1e30: step 0 is finite, its update blows the weights up, step 1's loss is not a number.
-    cfg = small_config(tmp_path, lr=1e30, min_lr=0.0, warmup_steps=0, grad_clip=0.0)
-    with pytest.raises(health.TrainingDiverged, match=r"^step 1: loss=") as info:
+def test_nan_guard_stops_at_the_step(tmp_path, capsys):
+    # lr 1e30: step 1 is finite, its update blows the weights up, step 2's loss is not a number. The error counts
+    # steps as the progress line does ("step 1/4" is the first step, index 0).
+    cfg = small_config(tmp_path, lr=1e30, min_lr=0.0, warmup_steps=0, grad_clip=0.0, log_every=1)
+    with pytest.raises(health.TrainingDiverged, match=r"^step 2: loss=") as info:
         train.train(cfg)
     assert "\n" not in str(info.value)
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["step"] == 0  # the one step that finished
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" |")[0] for line in progress] == ["step 1/4"]  # printed; "step 2" is the one that failed
 
 
 def test_nan_guard_runs_before_the_update():
@@ -297,7 +301,7 @@ def test_nan_guard_runs_before_the_update():
         model.blocks[0].mlp.w1.weight[0, 0] = float("nan")
     before = [p.clone() for p in model.parameters()]
     batch = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
-    with pytest.raises(health.TrainingDiverged, match="step 7"):
+    with pytest.raises(health.TrainingDiverged, match="step 8"):  # index 7 is the progress line's "step 8/..."
         train.train_step(ParallelModel(model, optimizer), batch, step=7, grad_clip=1.0)
     assert not optimizer.state  # no update happened
     for p, q in zip(model.parameters(), before):
