@@ -47,8 +47,9 @@ CASES: dict[str, tuple[str, int, int]] = {
 
 
 def _train(kind: str, stage: int, microbatches: int, topo: Topology, steps: int = parity.STEPS,
-           cfg: ModelConfig = parity.CFG) -> dict:
-    """Train `steps` steps of the parity setup under one variant; return losses, step-0 gradients, ledger per step."""
+           cfg: ModelConfig = parity.CFG, overlap: bool = True) -> dict:
+    """Train `steps` steps of the parity setup under one variant; return losses, step-0 gradients, ledger per step.
+    `overlap` is ZeRO's (DataParallel's follows the kind: "bucketed" does not overlap)."""
     rank, world = topo.coord("dp_cp"), topo.size("dp_cp")
     ledger = Ledger()
     comm = topo.comm("dp_cp", ledger)
@@ -60,7 +61,8 @@ def _train(kind: str, stage: int, microbatches: int, topo: Topology, steps: int 
     if kind in ("bucketed", "overlap", "no_scale"):
         engine = DataParallel(model, comm, bucket_bytes=SMALL_BUCKET, overlap=kind != "bucketed", timeline=timeline)
     elif kind == "zero":
-        engine = ZeroOptimizer(model, optimizer, comm, stage, bucket_bytes=SMALL_BUCKET, timeline=timeline)
+        engine = ZeroOptimizer(model, optimizer, comm, stage, bucket_bytes=SMALL_BUCKET, overlap=overlap,
+                               timeline=timeline)
     out: dict = {"losses": [], "ledger": [], "norms": [], "numel": numel}
     for step in range(steps):
         before = ledger.totals()
@@ -245,6 +247,7 @@ def run_all(world: int, out_root: str) -> dict:
         results.update({f"checkpoint_zero{s}": _checkpoint_case(s, topo) for s in range(4)})
         results["bf16"] = _bf16_case(topo)
         results["zero2_moe"] = _train("zero", 2, 1, topo, cfg=MOE_CFG)
+        results.update({f"zero{s}_m2_no_overlap": _train("zero", s, 2, topo, overlap=False) for s in (2, 3)})
         results["trainer"] = _trainer_cases(topo, out_root)
     return results
 

@@ -40,6 +40,24 @@ def test_parity_with_one_device(world: int, stage: int, micro: int) -> None:
     parity.assert_grads_match(dp_cases.results(world)[0][case]["grads"], reference["grads"], f"dp={world} {case}")
 
 
+@pytest.mark.parametrize("stage", (2, 3))
+def test_parity_without_overlap(stage: int) -> None:
+    """overlap=False at stages 2-3, 2 micro-batches, dp=2: every bucket is reduce-scattered once backward ends (the
+    full buckets cannot wait for the step: they are freed every micro-batch). Losses, the step-0 gradient and the
+    norms are the single-device run's; no collective starts during backward."""
+    case = f"zero{stage}_m2_no_overlap"
+    reference = parity.reference_run()
+    parity.assert_losses_match(mean_losses(2, case), reference["losses"], f"dp=2 {case}")
+    parity.assert_grads_match(dp_cases.results(2)[0][case]["grads"], reference["grads"], f"dp=2 {case}")
+    for r in dp_cases.results(2):
+        out = r[case]
+        assert out["norms"] == pytest.approx(reference["grad_norms"], rel=1e-6)
+        # Step 0, per micro-batch: every gradient, the end of backward, then every bucket's reduce-scatter.
+        kinds = [kind for kind, _, _ in out["timeline"] if kind in ("grad", "backward_end", "launch")]
+        micro_batch = ["grad"] * len(reference["grads"]) + ["backward_end"] + ["launch"] * out["buckets"]
+        assert kinds == 2 * micro_batch
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_global_grad_norm_across_shards(world: int, stage: int) -> None:

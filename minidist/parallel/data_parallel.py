@@ -349,12 +349,13 @@ class DataParallel:
         self._in_backward = False
         if self.timeline is not None:
             self.timeline.mark("backward_end")
-        if self._syncing() and self.overlap:
-            self._launch_all()  # parameters that got no gradient (unused this step) count as zero
         for bucket in self.buckets:
             bucket.ready = 0
-        if self.reduction.every_microbatch:  # the reduced gradient must be stored before the next backward
+        if self.reduction.every_microbatch:  # reduced now, overlapped or not: the full buckets do not outlive it
+            self._launch_all()
             self._complete_all()
+        elif self._sync and self.overlap:
+            self._launch_all()  # parameters that got no gradient (unused this step) count as zero
 
     def _syncing(self) -> bool:
         return self._sync or self.reduction.every_microbatch
