@@ -286,16 +286,10 @@ def _run_case(case: Case, topo: Topology) -> dict:
 
 def _clip(case, stage, engine, pp_comm, tp_comm) -> None:
     """Clip with the norm over the whole model: the stages' squares summed over pp (and tp shards counted once)."""
-    if case.data == "zero1":
-        # ZeroOptimizer clips by its own dp-sharded norm; bring in the other stages through its max_norm argument.
-        local = engine.clip_grad_norm(0.0)
-        total = torch.tensor([local * local])
-        pp_comm.all_reduce(total)
-        coef = min(1.0, parity.GRAD_CLIP / (total.sqrt().item() + 1e-6))
-        if coef < 1.0:
-            engine.clip_grad_norm(coef * (local + 1e-6))
-    else:  # the stages hold disjoint parameters (pp), and tp ranks disjoint slices of them
-        groups = {"pp": pp_comm} | ({"tp": tp_comm} if case.tp > 1 else {})
+    groups = {"pp": pp_comm} | ({"tp": tp_comm} if case.tp > 1 else {})  # stages and tp slices are disjoint
+    if case.data == "zero1":  # ZeRO adds its own dp_cp group, over which its gradient shards are disjoint
+        engine.clip_grad_norm(parity.GRAD_CLIP, extra_groups=groups)
+    else:
         clip_grad_norm_(_pieces(stage), parity.GRAD_CLIP, groups)
 
 
