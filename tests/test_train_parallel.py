@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import checkpoint, train
+from minidist.distributed import resolve_parallel_dims
 from minidist.launch import run_ranks
 from minidist.train import ConfigError, TrainConfig
 
