@@ -17,6 +17,7 @@ import torch
 from minidist.comm import Comm, ring_bytes_sent
 from minidist.model import build_model, lm_loss
 from minidist.parallel import ZeroOptimizer, clip_grad_norm_, placement_of, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel.zero import ELEMENTWISE_OPTIMIZERS
 
 WORLDS = (2, 4)
 STAGES = (0, 1, 2, 3)
@@ -256,3 +257,72 @@ def test_zero3_without_root_parameters(one_thread) -> None:
     assert all(p.numel() == 0 for p in model.parameters())  # sharded and freed between steps
     for name, p in twin.named_parameters():
         torch.testing.assert_close(zero.full_parameters()[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_non_elementwise_optimizers_are_refused_when_sharded(stage: int) -> None:
+    """Adafactor factors a matrix's second moment by rows and columns, so its update of one slice depends on the
+    others: sharded by elements it would train differently from one device. Refused in one line naming what works;
+    stage 0 (nothing sharded) takes it. AdamW is accepted (every parity test above trains with it)."""
+    model = _RootlessStack()
+    with pytest.raises(ValueError) as refused:
+        ZeroOptimizer(model, torch.optim.Adafactor(model.parameters()), Comm(), stage)
+    assert str(refused.value) == (
+        f"ZeRO stage {stage} shards each parameter's optimizer state by elements, which is exact only for "
+        "elementwise optimizers (Adadelta, Adagrad, Adam, Adamax, AdamW, ASGD, NAdam, RAdam, RMSprop, Rprop, SGD); "
+        "Adafactor is not: use stage 0")
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), Comm(), stage)
+    assert type(zero.optimizer) is torch.optim.AdamW
+
+
+def test_stage0_takes_any_optimizer(one_thread) -> None:
+    """Stage 0 is data parallelism plus the caller's optimizer as it is: Adafactor trains like one device."""
+    model, twin = _RootlessStack(), _RootlessStack()
+    twin.load_state_dict(model.state_dict())
+    zero = ZeroOptimizer(model, torch.optim.Adafactor(model.parameters(), lr=0.1), Comm(), 0)
+    optimizer = torch.optim.Adafactor(twin.parameters(), lr=0.1)
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        zero.step()
+        zero.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("cls", [*ELEMENTWISE_OPTIMIZERS, torch.optim.Adafactor], ids=lambda c: c.__name__)
+def test_allowed_optimizers_are_elementwise(cls: type) -> None:
+    """What ZeRO relies on: stepping a matrix cut into uneven flat slices (as ZeRO's shards cut it) gives exactly
+    the update of stepping it whole. Adafactor, which ZeRO refuses, is the control: it differs."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(8, 6, generator=gen)
+    grads = [torch.randn(8, 6, generator=gen) for _ in range(4)]
+    options = {"momentum": 0.9} if cls is torch.optim.SGD else {}
+    whole = start.clone().requires_grad_()
+    cuts = [(0, 7), (7, 30), (30, 48)]
+    slices = [start.flatten()[a:b].clone().requires_grad_() for a, b in cuts]
+    whole_optimizer, sliced_optimizer = cls([whole], **options), cls(slices, **options)
+    for grad in grads:
+        whole.grad = grad.clone()
+        for piece, (a, b) in zip(slices, cuts):
+            piece.grad = grad.flatten()[a:b].clone()
+        whole_optimizer.step()
+        sliced_optimizer.step()
+    sliced = torch.cat([s.detach() for s in slices]).view(8, 6)
+    assert torch.equal(sliced, whole.detach()) == (cls in ELEMENTWISE_OPTIMIZERS)
+
+
+def test_template_that_has_stepped_is_refused(one_thread) -> None:
+    """The sharded optimizer starts from empty state, so a template that already stepped would lose its moments.
+    Adagrad's state filled at construction (step 0) is not a step: accepted."""
+    model = _RootlessStack()
+    ZeroOptimizer(model, torch.optim.Adagrad(model.parameters()), Comm(), 1)
+    stepped = torch.optim.AdamW(_RootlessStack().parameters())
+    for p in stepped.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    stepped.step()
+    with pytest.raises(ValueError, match="^the template optimizer has already taken a step"):
+        ZeroOptimizer(model, stepped, Comm(), 1)

@@ -22,7 +22,7 @@ owns the r-th equal slice of each), from three parts:
   then all-gathers (stages 1-2), or as shards gathered unit by unit just in time (stage 3) (zero_params.py);
 - the optimizer: the caller's own (e.g. torch.optim.AdamW), rebuilt over *pieces*: the slices of this rank's shard
   that belong to each parameter, in the same param groups. AdamW is elementwise, so updating the pieces is exactly
-  the update the full optimizer would make (bit for bit).
+  the update the full optimizer would make (bit for bit); an optimizer that is not (Adafactor) is refused.
 
 Bytes per step: reduce-scatter + all-gather = one all-reduce, as in plain data parallelism (stages 1-2, §7.2.1);
 stage 3 gathers the parameters twice per micro-batch: 1.5x (§7.2.2).
@@ -49,13 +49,20 @@ from minidist.parallel.data_parallel import (
     AllReduceGrads,
     DataParallel,
     GradReduction,
-    Timeline,
     assign_buckets,
 )
 from minidist.parallel.layout import GradPiece, clip_grad_norm_, placement_of
+from minidist.parallel.timeline import Timeline
 from minidist.parallel.zero_bytes import PeakBytes, storage_bytes
 from minidist.parallel.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
 from minidist.parallel.zero_params import FlatParams, ParamHome, ShardedParams, default_units, unit_buckets
+
+# Optimizers whose update of an element reads only that element's gradient and state (and the step count), so that
+# updating slices of a parameter is exactly updating it whole (tests/test_zero.py checks each). Not: Adafactor
+# (second moments factored over a matrix's rows and columns), Muon (orthogonalizes whole matrices), LBFGS.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.Adam, torch.optim.Adamax,
+                          torch.optim.AdamW, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.RMSprop, torch.optim.Rprop, torch.optim.SGD)
 
 
 class ZeroOptimizer:
@@ -84,8 +91,14 @@ class ZeroOptimizer:
                  overlap: bool = True, prefetch: bool = True, timeline: Timeline | None = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-        if any(optimizer.state.values()):
-            raise ValueError("the template optimizer already has state; build ZeroOptimizer before the first step")
+        if stage > 0 and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            raise ValueError(f"ZeRO stage {stage} shards each parameter's optimizer state by elements, which is exact "
+                             f"only for elementwise optimizers ({names}); {type(optimizer).__name__} is not: use "
+                             "stage 0")
+        # Adagrad fills its state at construction, with step 0: only a step taken would be lost.
+        if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values() if state):
+            raise ValueError("the template optimizer has already taken a step; build ZeroOptimizer before the first")
         self.model, self.comm, self.stage = model, comm, stage
         self.transient = {"gathered_params": PeakBytes(), "grad_buckets": PeakBytes()}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
