@@ -201,17 +201,17 @@ def main() -> None:
     args = parser.parse_args()
 
     # run_ranks needs an importable function: import this file as a module (its folder is on sys.path).
-    me = importlib.import_module(Path(__file__).stem)
+    bench_module = importlib.import_module(Path(__file__).stem)
     variants = list(VARIANTS)
     started = time.perf_counter()
-    per_rank = run_ranks(me.rank_step_times, args.world, args.preset, args.batch, args.seq, args.steps,
+    per_rank = run_ranks(bench_module.rank_step_times, args.world, args.preset, args.batch, args.seq, args.steps,
                          args.warmup, variants, timeout=1800)
     # A data-parallel step is as slow as its slowest rank.
     step_times = {v: [max(r[v][i] for r in per_rank) for i in range(args.steps)] for v in variants}
     median = {v: statistics.median(t) for v, t in step_times.items()}
     memory = {}
     for v in variants:
-        out = run_ranks(me.rank_memory, args.world, args.preset, args.batch, args.seq, args.memory_steps, v,
+        out = run_ranks(bench_module.rank_memory, args.world, args.preset, args.batch, args.seq, args.memory_steps, v,
                         timeout=900)
         memory[v] = {"peak_rss_mib": max(o["peak_rss"] for o in out) / 2**20,
                      "state_mib": max(o["state_bytes"] for o in out) / 2**20, "numel": out[0]["numel"]}

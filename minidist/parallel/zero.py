@@ -102,7 +102,6 @@ class ZeroOptimizer:
         self.model, self.comm, self.stage = model, comm, stage
         self.transient = {"gathered_params": PeakBytes(), "grad_buckets": PeakBytes()}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for _, p in named)
         self.placements = {id(p): placement_of(p) for _, p in named}  # before ZeRO-3 empties the parameters
         if stage == 3:  # one bucket per gather unit, in backward order: the blocks last to first, then the root
             modules = [*reversed(list(units if units is not None else default_units(model))), None]
@@ -196,7 +195,8 @@ class ZeroOptimizer:
         self.params.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients now (the next forward would anyway). The shards' buffers are zeroed, not dropped."""
+        """Clear the gradients now (the next forward would anyway). The buffers are zeroed, never dropped, whatever
+        `set_to_none` (accepted for torch.optim's signature)."""
         self.grads.zero_grad()
 
     # -- checkpoints ----------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """ZeRO in bytes: the paper's formulas for memory per rank and communication per step, and the counters that
 measure what a rank really holds (Rajbhandari et al. 2020, §5 and §7).
 
-    stage 0 (baseline)   (P + G + K)·Ψ                       all-reduce                     2(N-1)/N·M
+                         model states per rank               sent per rank per step (1 micro-batch)
+    stage 0 (baseline)   (P + G + K)·Ψ                       all-reduce                      2(N-1)/N·M
     stage 1 (P_os)       P·Ψ + G·Ψ + K·Ψ/N_d                 reduce-scatter + all-gather     2(N-1)/N·M
-    stage 2 (P_os+g)     P·Ψ + (G + K)·Ψ/N_d                 the same
+    stage 2 (P_os+g)     P·Ψ + (G + K)·Ψ/N_d                 reduce-scatter + all-gather     2(N-1)/N·M
     stage 3 (P_os+g+p)   (P + G + K)·Ψ/N_d                   2 all-gathers + reduce-scatter  3(N-1)/N·M
 
-for Ψ parameters of P bytes, gradients of G bytes and K bytes of optimizer state per parameter, M = Ψ·element size.
+for Ψ parameters of P bytes, gradients of G bytes and K bytes of optimizer state per parameter, N = N_d ranks and
+M = Ψ·element size (with several micro-batches, `zero_comm_bytes` says which collectives repeat).
 """
 
 from __future__ import annotations

@@ -113,11 +113,10 @@ class ShardedParams(ParamHome):
         blocks = [u for u, m in zip(self.units, modules) if m is not None]
         self.forward_order = [*roots, *reversed(blocks)]
         self.backward_order = [*roots, *blocks]
-        self._hooks = []
         for unit, module in zip(self.units, modules):
             target = model if module is None else module
-            self._hooks.append(target.register_forward_pre_hook(self._pre_forward_hook(unit)))
-            self._hooks.append(target.register_forward_hook(self._post_forward_hook(unit)))
+            target.register_forward_pre_hook(self._pre_forward_hook(unit))
+            target.register_forward_hook(self._post_forward_hook(unit))
 
     # -- what ZeroOptimizer asks ----------------------------------------------------------------------------------
 
