@@ -33,7 +33,9 @@ from torch import nn
 from minidist import health
 from minidist.model import ModelConfig, lm_loss
 from minidist.model import moe as moe_routing
+from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.layout import Placement, clip_grad_norm_, placement_of
+from minidist.parallel.zero import ZeroOptimizer
 from minidist.topology import ParallelDims, Topology
 
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
@@ -80,12 +82,13 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     if topo.size("pp") > 1:  # 2. pipeline parallel
         model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn)
     _record_placement(model, topo)
-    optimizer = make_optimizer(model)
-    if topo.size("dp_cp") > 1 or options.zero > 0:  # 3. data parallel / ZeRO
-        from minidist.parallel.zero import ZeroOptimizer
-
-        optimizer = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
-    return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0)
+    optimizer, grad_sync = make_optimizer(model), None
+    if options.zero > 0:  # 3. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
+        optimizer = grad_sync = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
+    elif topo.size("dp_cp") > 1:  # 3. plain data parallel: averaged gradients, the unsharded optimizer
+        grad_sync = DataParallel(model, topo.comm("dp_cp"))
+    return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0,
+                         grad_sync=grad_sync)
 
 
 def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
@@ -114,10 +117,15 @@ class ParallelModel:
     """This rank's model and optimizer, with the operations of a training step. The same calls for every layout."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
-                 loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False) -> None:
-        """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest."""
+                 loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False,
+                 grad_sync: DataParallel | ZeroOptimizer | None = None) -> None:
+        """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest.
+        `grad_sync` reduces gradients over the replicas: a DataParallel, or the ZeroOptimizer that is also
+        `optimizer`; None with one replica."""
         topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
         self.model, self.optimizer, self.topo = model, optimizer, topo
+        self.grad_sync = grad_sync
+        self.zero = grad_sync if isinstance(grad_sync, ZeroOptimizer) else None
         self.loss_fn = loss_fn or functools.partial(lm_loss, reduction="sum")  # Σ token losses in fp32
         self.runner = runner  # the pipeline executor, None without pipeline parallelism
         self.with_aux = with_aux
@@ -131,7 +139,7 @@ class ParallelModel:
         count = self._global_sum(count_targets(batches))
         replicas = self.replicas.size if self.replicas is not None else 1
         loss_scale = (replicas / count).float()
-        no_sync = getattr(self.optimizer, "no_sync", contextlib.nullcontext)
+        no_sync = self.grad_sync.no_sync if self.grad_sync is not None else contextlib.nullcontext
         if self.runner is not None:
             stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale)
             loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
@@ -162,9 +170,11 @@ class ParallelModel:
 
     def grad_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
         """This rank's gradient pieces and the groups over which they are disjoint (what the norm sums over)."""
-        if hasattr(self.optimizer, "grad_pieces"):  # data parallel / ZeRO: reduced gradients or their shards
-            self.optimizer.finish_grad_sync()
-            return self.optimizer.grad_pieces(), {**self.optimizer.norm_groups(), **self.model_groups}
+        if self.grad_sync is not None:
+            self.grad_sync.finish_grad_sync()
+        if self.zero is not None:  # this rank's slices of the gradient shards: disjoint over dp_cp too
+            return self.zero.grad_pieces(), {**self.zero.norm_groups(), **self.model_groups}
+        # whole (averaged) gradients: identical on every replica, so the sum skips dp_cp
         pieces = [(p.grad, placement_of(p)) for p in self.model.parameters() if p.grad is not None]
         return pieces, dict(self.model_groups)
 
@@ -177,6 +187,8 @@ class ParallelModel:
         """The optimizer step, then the MoE router biases (from expert loads summed over all replicas)."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.grad_sync, DataParallel):
+            self.grad_sync.zero_grad()  # the averaged gradients are views of its buckets
         if self.with_aux:
             reduce = self.replicas.all_reduce if self.replicas is not None else None
             moe_routing.update_router_biases(self.model, reduce_fn=reduce)
@@ -215,6 +227,6 @@ class ParallelModel:
 
     def full_parameters(self) -> list[torch.Tensor]:
         """This rank's parameters in model order, whole under ZeRO-3 (gathered from the shards: collective)."""
-        if hasattr(self.optimizer, "full_parameters"):
-            return list(self.optimizer.full_parameters().values())
+        if self.zero is not None:
+            return list(self.zero.full_parameters().values())
         return list(self.model.parameters())
