@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from minidist.comm import Comm, Handle
-from minidist.parallel.data_parallel import Bucket
+from minidist.parallel.data_parallel import AllReduceGrads, Bucket
 from minidist.parallel.zero_bytes import PeakBytes
 
 
@@ -28,32 +28,20 @@ def _reduce_scatter(comm: Comm, bucket: Bucket) -> Handle:
     return comm.reduce_scatter(bucket.grad, out=torch.empty_like(bucket.grad_shard), op="avg", async_op=True)
 
 
-class ReduceScatterOnce:
-    """ZeRO-1: accumulate in full buckets, reduce-scatter once per step; the shard is this rank's slice of them."""
-
-    every_microbatch = False
-    max_in_flight = None
-
-    def __init__(self, comm: Comm, reduce_dtype: torch.dtype = torch.float32) -> None:
-        self.comm = comm
-        self.reduce_dtype = reduce_dtype
+class ReduceScatterOnce(AllReduceGrads):
+    """ZeRO-1: accumulate in full buckets, reduce-scatter once per step; the shard is this rank's slice of them.
+    Plain data parallelism's buckets and accumulation, with a reduce-scatter where it all-reduces."""
 
     def setup(self, bucket: Bucket) -> None:
-        bucket.allocate_grad(self.reduce_dtype)
+        super().setup(bucket)
         start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
         bucket.grad_shard = bucket.grad[start:stop]
-
-    def buffer(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.grad
 
     def launch(self, bucket: Bucket) -> Handle:
         return _reduce_scatter(self.comm, bucket)
 
     def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
         bucket.grad_shard.copy_(result)  # the local sum is replaced by the average over ranks
-
-    def reset(self, bucket: Bucket) -> None:
-        bucket.grad.zero_()
 
     def publish(self, bucket: Bucket) -> None:
         """Nothing: the optimizer reads the shards."""
