@@ -17,14 +17,23 @@ from minidist.model.rope import apply_rotary
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the positions of this forward, or None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v for [B, H, T, d] tensors; k and v may have fewer heads (GQA).
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ·scale + causal mask) v for [B, H, T, d] tensors (scale None: 1/√d); k and v may have fewer
+    heads (GQA).
 
     Key/value head j serves query heads j·g .. j·g+g−1 (g = H / H_kv), as repeat_interleave would lay them out;
     enable_gqa lets the kernel do that without materializing the repeated k and v (≈4% of a training step of the
     `small` preset on CPU, measured by bench/model.py).
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class CausalAttention(nn.Module):
+    """The attention core, `causal_attention` as a module without parameters: q, k, v of this rank's tokens in,
+    the attended values out. Context parallelism (chapter 10) swaps it for a core that attends across ranks."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, scale)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -36,6 +45,7 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         # Split heads; their number h follows from the weight shape (fewer on a tensor-parallel rank).
@@ -46,7 +56,7 @@ class GroupedQueryAttention(nn.Module):
             cos, sin = rope
             q = apply_rotary(q, cos, sin, self.rope_layout)
             k = apply_rotary(k, cos, sin, self.rope_layout)
-        y = causal_attention(q, k, v)
+        y = self.core(q, k, v)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 

@@ -30,6 +30,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
 from minidist.model.kv_cache import LatentKVCache
 from minidist.model.layers import RMSNorm
@@ -70,6 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.d_model, bias=False)
+        self.core = CausalAttention()  # the expanded per-head keys and values go in (context parallelism swaps it)
 
     @property
     def n_heads(self) -> int:
@@ -113,7 +115,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, heads, -1, -1)), dim=-1)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        y = self.core(q, k, v, scale=self.softmax_scale)
         return self.wo(rearrange(y, "b h t v -> b t (h v)"))
 
     # -- inference / absorbed path --------------------------------------------------------------------------------

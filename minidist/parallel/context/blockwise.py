@@ -1,0 +1,213 @@
+"""Blockwise attention with the online softmax: the kernel all of chapter 10's context parallelism is built on.
+
+Attention of a block of queries against a block of keys gives a partial result: the block's output O_b (normalized
+within the block) and the log-sum-exp of its scores, L_b = log Σ_j exp(s_j). Two partial results over disjoint key
+sets merge exactly (the online softmax: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax";
+Dao et al. 2022, "FlashAttention", Algorithm 1):
+
+    L = log(e^{L_a} + e^{L_b})            O = e^{L_a − L}·O_a + e^{L_b − L}·O_b
+
+so keys can arrive in any order, from any rank. The backward pass needs only the final O and L (Dao et al. 2022,
+Algorithm 4, in the form of FlashAttention-2): per key block, P = exp(S − L), dV = Pᵀ dO, dP = dO Vᵀ,
+dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O), dQ += dS K·scale, dK = dSᵀ Q·scale. No block's probabilities are saved:
+they are recomputed, which is what keeps activation memory linear in the sequence length.
+
+The kernel is plain torch (einsum), on any device. torch's public SDPA does not return L; its CPU flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`) does, but refuses keys and values of different head sizes
+(MLA). `attend_block` / `attend_block_backward` are the only functions that touch scores: a fused kernel that
+returns the log-sum-exp (FlashAttention's forward and backward on CUDA) replaces exactly these two.
+
+Grouped-query attention is handled by grouping the query heads, never by repeating key/value heads: query head
+j·g + i reads kv head j (g = H / H_kv), as `repeat_interleave` would lay it out. Shapes: q [B, H, Tq, d],
+k [B, H_kv, Tk, d], v [B, H_kv, Tk, d_v]; masks [Tq, Tk], True where a query may see a key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+Partial = tuple[torch.Tensor, torch.Tensor]  # (output [B, H, Tq, d_v], log-sum-exp [B, H, Tq]), fp32 or wider
+
+
+@dataclass
+class Work:
+    """Unmasked (query, key) position pairs a rank scored in its forwards: the causal mask's share of the work."""
+
+    scores: int = 0
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, sums and partial outputs in fp32 at least (fp64 stays fp64), whatever autocast computes elsewhere."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
+    """The causal mask between two sets of global positions: "all" (no mask needed), "none" (skip the block) or a
+    bool [Tq, Tk] mask, True where key position <= query position."""
+    if k_pos.max() <= q_pos.min():
+        return "all"
+    if k_pos.min() > q_pos.max():
+        return "none"
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores [B, H_kv, g, Tq, Tk] of grouped queries; masked entries -inf."""
+    q = rearrange(q, "b (k g) t d -> b k g t d", k=k.shape[1])
+    s = torch.einsum("bkgtd,bksd->bkgts", q, k) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 mask: torch.Tensor | None = None) -> Partial:
+    """softmax(q kᵀ·scale) v over this block of keys only, and the log-sum-exp of each query's scores.
+
+    A query row that sees no key of the block gets output 0 and log-sum-exp −inf, which `merge` weighs by 0."""
+    acc = accumulate_dtype(q.dtype)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    s = _scores(q, k, scale, mask)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # an all-masked row: exp(−inf − 0) = 0, no NaN
+    p = torch.exp(s - m)
+    total = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bkgts,bkse->bkgte", p / total.clamp_min(torch.finfo(acc).tiny), v)
+    lse = (m + total.log()).squeeze(-1)
+    return rearrange(out, "b k g t e -> b (k g) t e"), rearrange(lse, "b k g t -> b (k g) t")
+
+
+def merge(a: Partial | None, b: Partial) -> Partial:
+    """Two partial results over disjoint keys -> the result over their union (the online softmax's rescaling)."""
+    if a is None:
+        return b
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # both −inf: weights 0, not NaN
+    w_a, w_b = torch.exp(lse_a - lse_safe)[..., None], torch.exp(lse_b - lse_safe)[..., None]
+    return w_a * out_a + w_b * out_b, lse
+
+
+def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          lse: torch.Tensor, delta: torch.Tensor, scale: float,
+                          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this block, given the *final* log-sum-exp of the queries over all keys and
+    delta = rowsum(dO ⊙ O) of the final output: P recomputed as exp(S − L) is then this block's share of the
+    full softmax. dk and dv are summed over the query heads that share each kv head. All in the accumulate dtype."""
+    acc = accumulate_dtype(q.dtype)
+    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    heads = k.shape[1]
+    p = torch.exp(_scores(q, k, scale, mask) - rearrange(lse, "b (k g) t -> b k g t", k=heads)[..., None])
+    do = rearrange(dout, "b (k g) t e -> b k g t e", k=heads)
+    dv = torch.einsum("bkgts,bkgte->bkse", p, do)
+    dp = torch.einsum("bkgte,bkse->bkgts", do, v)
+    ds = p * (dp - rearrange(delta, "b (k g) t -> b k g t", k=heads)[..., None])
+    dq = torch.einsum("bkgts,bksd->bkgtd", ds, k) * scale
+    dk = torch.einsum("bkgts,bkgtd->bksd", ds, rearrange(q, "b (k g) t d -> b k g t d", k=heads)) * scale
+    return rearrange(dq, "b k g t d -> b (k g) t d"), dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunks of queries against one block of keys (what a ring step, or the all-gathered keys, hand over)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def forward_pairs(qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                  k_pos: torch.Tensor, k_chunks: int, scale: float, partials: list[Partial | None],
+                  work: Work | None = None) -> None:
+    """Merge the attention of every query chunk to every key chunk of (k, v) into `partials`, skipping the pairs
+    the causal mask hides entirely. Chunk pairs are either wholly visible, wholly hidden, or diagonal."""
+    for kc, vc, pc in zip(k.chunk(k_chunks, dim=2), v.chunk(k_chunks, dim=2), k_pos.chunk(k_chunks)):
+        for a, (qc, qp) in enumerate(zip(qs, q_pos)):
+            seen = visibility(qp, pc)
+            if isinstance(seen, str) and seen == "none":
+                continue
+            mask = None if isinstance(seen, str) else seen
+            partials[a] = merge(partials[a], attend_block(qc, kc, vc, scale, mask))
+            if work is not None:
+                work.scores += len(qp) * len(pc) if mask is None else int(mask.sum())
+
+
+def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Tensor,
+                   v: torch.Tensor, k_pos: torch.Tensor, k_chunks: int, lses: list[torch.Tensor],
+                   deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same pairs as `forward_pairs`, backwards: add into `dqs` (per query chunk) and return (dk, dv) of this
+    block of keys, in the accumulate dtype."""
+    dks, dvs = [], []
+    for kc, vc, pc in zip(k.chunk(k_chunks, dim=2), v.chunk(k_chunks, dim=2), k_pos.chunk(k_chunks)):
+        dk = torch.zeros(kc.shape, dtype=dqs[0].dtype, device=kc.device)
+        dv = torch.zeros(vc.shape, dtype=dqs[0].dtype, device=vc.device)
+        for a, (qc, qp) in enumerate(zip(qs, q_pos)):
+            seen = visibility(qp, pc)
+            if isinstance(seen, str) and seen == "none":
+                continue
+            mask = None if isinstance(seen, str) else seen
+            dq_a, dk_a, dv_a = attend_block_backward(dos[a], qc, kc, vc, lses[a], deltas[a], scale, mask)
+            dqs[a] += dq_a
+            dk += dk_a
+            dv += dv_a
+        dks.append(dk)
+        dvs.append(dv)
+    return torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+
+
+def finish(partials: list[Partial], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query chunks' partial results joined along the sequence: (output in `dtype`, log-sum-exp)."""
+    out = torch.cat([o for o, _ in partials], dim=2)
+    return out.to(dtype), torch.cat([lse for _, lse in partials], dim=2)
+
+
+def deltas_of(dout: torch.Tensor, out: torch.Tensor, q_chunks: int) -> list[torch.Tensor]:
+    """D = rowsum(dO ⊙ O) per query chunk, in the accumulate dtype."""
+    acc = accumulate_dtype(out.dtype)
+    return list((dout.to(acc) * out.to(acc)).sum(-1).chunk(q_chunks, dim=2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On one process: the whole sequence in blocks (the fp64 reference, and the all-gather variant's kernel)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Blockwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, q_chunks, k_chunks, scale, work):
+        with no_autocast(q):
+            qs, qps = list(q.chunk(q_chunks, dim=2)), list(q_pos.chunk(q_chunks))
+            partials: list[Partial | None] = [None] * q_chunks
+            forward_pairs(qs, qps, k, v, k_pos, k_chunks, scale, partials, work)
+            out, lse = finish(partials, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
+        ctx.chunks, ctx.scale = (q_chunks, k_chunks), scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
+        q_chunks, k_chunks = ctx.chunks
+        with no_autocast(q):
+            qs = list(q.chunk(q_chunks, dim=2))
+            dqs = [torch.zeros(qc.shape, dtype=accumulate_dtype(q.dtype), device=q.device) for qc in qs]
+            dk, dv = backward_pairs(list(dout.chunk(q_chunks, dim=2)), qs, list(q_pos.chunk(q_chunks)), k, v, k_pos,
+                                    k_chunks, list(lse.chunk(q_chunks, dim=2)), deltas_of(dout, out, q_chunks),
+                                    ctx.scale, dqs)
+        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None, q_chunks: int = 1,
+                        k_chunks: int = 1, work: Work | None = None) -> torch.Tensor:
+    """Causal attention computed block by block with the online softmax, with its own (recomputing) backward.
+
+    Positions default to 0..T−1; queries are cut into `q_chunks` and keys into `k_chunks` equal chunks. With
+    positions from several ranks (keys all-gathered in shard order) it is the all-gather variant's kernel."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_pos = torch.arange(q.shape[2], device=q.device) if q_pos is None else q_pos
+    k_pos = torch.arange(k.shape[2], device=k.device) if k_pos is None else k_pos
+    return _Blockwise.apply(q, k, v, q_pos, k_pos, q_chunks, k_chunks, scale, work)
