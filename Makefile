@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast lab grade lint clean-venv
+.PHONY: train test test-fast lab grade book lint clean-venv
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -30,6 +30,10 @@ test-fast: $(STAMP)
 grade: $(STAMP)
 	@test -n "$(CH)" || { echo "usage: make grade CH=00"; exit 2; }
 	$(PY) -m pytest tests/exercises -q -k "ch$(CH)" --impl exercises
+
+# Execute every notebook and render it with its outputs and figures to HTML: open book/index.html.
+book: $(STAMP)
+	$(PY) tools/build_book.py --out book
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
