@@ -6,12 +6,17 @@ loop needs out. The loop never asks which dimensions are on.
 1. tensor (+ sequence) parallel, chapter 08: swap linears and embeddings for sharded ones. Its collectives run
    inside every layer, several per layer, so tp is the innermost dimension of the rank grid (neighbouring ranks,
    the fastest links). The logits become this rank's vocabulary slice, scored by a vocab-parallel cross-entropy.
-2. pipeline parallel, chapter 09: keep this rank's blocks (a `StageModule`) and an executor of the schedule.
-   After TP, because a stage keeps the (already sharded) modules it owns.
-3. data parallel and ZeRO, chapter 07: average gradients over the replicas (the dp_cp group) and shard optimizer
-   state, gradients and parameters. Last, because it buckets and shards whatever parameters this rank holds.
+2. context parallel, chapter 10: swap every attention core for one that attends across the cp ranks, and shard
+   each micro-batch's sequence (with its global positions) at the start of a step. It adds no parameters and
+   changes only what one forward computes, so it sits with TP among the transformations of the model itself,
+   before PP cuts that model into stages (every stage's attention is then context-parallel).
+3. pipeline parallel, chapter 09: keep this rank's blocks (a `StageModule`) and an executor of the schedule.
+   After TP and CP, because a stage keeps the (already transformed) modules it owns.
+4. data parallel and ZeRO, chapter 07: average gradients over the replicas (the dp_cp group: cp ranks hold the
+   same parameters and partial gradients over their own tokens) and shard optimizer state, gradients and
+   parameters. Last, because it buckets and shards whatever parameters this rank holds.
 
-Context parallel (chapter 10) and expert parallel (chapter 11) add a step each (and a group on the grid).
+Expert parallel (chapter 11) adds a step (and a group on the grid).
 
 Loss normalization is global (the parity law): the loss of a step is Σ token losses / (number of counted target
 tokens in the whole global batch), whatever the layout, the micro-batches or the ignored targets. Each rank
@@ -53,6 +58,7 @@ class ParallelOptions:
     microbatches: int = 1
     virtual_stages: int = 1
     zero: int = 0  # ZeRO stage over the dp_cp group
+    cp_impl: str = "ring"  # context-parallel attention: ring, allgather or ulysses
 
 
 @dataclass
@@ -78,17 +84,23 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
         model = apply_tensor_parallel(model, mcfg, tp_comm, sequence_parallel=options.sequence_parallel,
                                       reduce_dtype=torch.float32 if options.tp_reduce_fp32 else None)
         loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=tp_comm, reduction="sum")
+    context = None
+    if topo.size("cp") > 1:  # 2. context parallel
+        from minidist.parallel.context import apply_context_parallel, validate_context_parallel
+
+        validate_context_parallel(mcfg, topo.size("cp"), options.cp_impl, tp=topo.size("tp"))
+        context = apply_context_parallel(model, topo.comm("cp"), options.cp_impl)
     runner = None
-    if topo.size("pp") > 1:  # 2. pipeline parallel
+    if topo.size("pp") > 1:  # 3. pipeline parallel
         model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn)
     _record_placement(model, topo)
     optimizer, grad_sync = make_optimizer(model), None
-    if options.zero > 0:  # 3. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
+    if options.zero > 0:  # 4. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
         optimizer = grad_sync = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
-    elif topo.size("dp_cp") > 1:  # 3. plain data parallel: averaged gradients, the unsharded optimizer
+    elif topo.size("dp_cp") > 1:  # 4. plain data parallel: averaged gradients, the unsharded optimizer
         grad_sync = DataParallel(model, topo.comm("dp_cp"))
     return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0,
-                         grad_sync=grad_sync)
+                         grad_sync=grad_sync, context=context)
 
 
 def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
@@ -118,10 +130,10 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
                  loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False,
-                 grad_sync: DataParallel | ZeroOptimizer | None = None) -> None:
+                 grad_sync: DataParallel | ZeroOptimizer | None = None, context: object | None = None) -> None:
         """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest.
         `grad_sync` reduces gradients over the replicas: a DataParallel, or the ZeroOptimizer that is also
-        `optimizer`; None with one replica."""
+        `optimizer`; None with one replica. `context` (a `ContextParallel`) shards each sequence over cp ranks."""
         topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
         self.model, self.optimizer, self.topo = model, optimizer, topo
         self.grad_sync = grad_sync
@@ -129,6 +141,7 @@ class ParallelModel:
         self.loss_fn = loss_fn or functools.partial(lm_loss, reduction="sum")  # Σ token losses in fp32
         self.runner = runner  # the pipeline executor, None without pipeline parallelism
         self.with_aux = with_aux
+        self.context = context  # context parallel: which tokens of each sequence this rank keeps (None: all)
         self.replicas = topo.comm("dp_cp") if topo.size("dp_cp") > 1 else None
         self.model_groups = {name: topo.comm(name) for name in ("tp", "pp") if topo.size(name) > 1}
 
@@ -136,26 +149,27 @@ class ParallelModel:
 
     def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
         """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches."""
+        batches, positions = self._local_tokens(batches)
         count = self._global_sum(count_targets(batches))
         replicas = self.replicas.size if self.replicas is not None else 1
         loss_scale = (replicas / count).float()
         no_sync = self.grad_sync.no_sync if self.grad_sync is not None else contextlib.nullcontext
         if self.runner is not None:
-            stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale)
+            stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale, positions=positions)
             loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
         else:
-            loss_sum, aux = self._accumulate(batches, autocast, no_sync, loss_scale)
+            loss_sum, aux = self._accumulate(batches, positions, autocast, no_sync, loss_scale)
         loss = self._global_sum(loss_sum.double().to(count.device)) / count
         return StepLosses(loss.item(), aux)
 
-    def _accumulate(self, batches: Batches, autocast: Autocast, no_sync: Callable,
+    def _accumulate(self, batches: Batches, positions: list | None, autocast: Autocast, no_sync: Callable,
                     loss_scale: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Forward and backward each micro-batch; data parallelism communicates during the last backward only."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         aux_total = torch.zeros_like(total)
         for i, (inputs, targets) in enumerate(batches):
             with autocast():
-                logits = self.model(inputs)
+                logits = self.model(inputs, positions[i] if positions else None)
             loss_sum = self.loss_fn(logits, targets)  # fp32 whatever the autocast dtype
             health.check_fp32("loss", loss_sum)
             objective = loss_sum * loss_scale
@@ -197,15 +211,24 @@ class ParallelModel:
     def evaluate(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> float:
         """Mean LM loss over fixed batches (every replica evaluates the same ones), forwards only."""
         self.model.eval()
+        local, positions = self._local_tokens(batches)
         if self.runner is not None:
-            loss_sum = torch.as_tensor(self.runner.evaluate(batches, autocast), dtype=torch.float64)
+            loss_sum = torch.as_tensor(self.runner.evaluate(local, autocast, positions), dtype=torch.float64,
+                                       device=batches[0][0].device)
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
-            for inputs, targets in batches:
+            for i, (inputs, targets) in enumerate(local):
                 with autocast():
-                    loss_sum += self.loss_fn(self.model(inputs), targets).double()
+                    logits = self.model(inputs, positions[i] if positions else None)
+                    loss_sum += self.loss_fn(logits, targets).double()
+        if self.context is not None:  # each cp rank scored its own tokens of every sequence
+            self.context.comm.all_reduce(loss_sum)
         self.model.train()
         return (loss_sum.cpu() / count_targets(batches).cpu()).item()
+
+    def _local_tokens(self, batches: Batches) -> tuple[Batches, list[torch.Tensor] | None]:
+        """This rank's tokens of each micro-batch and their global positions (None: all tokens, 0..T−1)."""
+        return (batches, None) if self.context is None else self.context.shard(batches)
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Σ over the data-parallel replicas (each holds different rows of the global batch)."""

@@ -252,11 +252,12 @@ class PipelineRunner:
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
              no_sync: Callable[[], contextlib.AbstractContextManager] | None = None, *,
-             loss_scale: float | torch.Tensor) -> StepStats:
+             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
         """Forward and backward every micro-batch (inputs, targets) by the schedule; return the step's stats.
 
         Every pipeline rank passes the same micro-batches: chunk 0 reads the inputs, the last chunk the targets.
-        Every stage gets positions 0..T−1 (T = the inputs' length), whatever shape its hidden states have.
+        Every stage gets `positions[m]` for micro-batch m (default 0..T−1, T = the inputs' length; context
+        parallelism passes its shard's global positions), whatever shape its hidden states have.
         Each micro-batch backpropagates `loss_fn(logits, targets) * loss_scale` (plus its MoE balancing losses / m);
         pass loss_scale = data-parallel replicas / counted targets of the global batch, and divide the returned
         `loss` (a sum) by that count. `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its
@@ -264,20 +265,21 @@ class PipelineRunner:
         """
         if len(batches) != self.microbatches:
             raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
-        return self._run(self.actions, batches, autocast, no_sync, loss_scale)
+        return self._run(self.actions, batches, autocast, no_sync, loss_scale, positions)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 positions: list[torch.Tensor] | None = None) -> float:
         """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
         rank. Divide by the number of counted targets for the mean."""
         actions = forward_only(self.pp, len(batches), self.stage.virtual_stages)[self.stage.pp_rank]
-        return self._run(actions, batches, autocast, None, 1.0).loss
+        return self._run(actions, batches, autocast, None, 1.0, positions).loss
 
     def _run(self, actions: list[Action], batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager],
              no_sync: Callable[[], contextlib.AbstractContextManager] | None,
-             loss_scale: float | torch.Tensor) -> StepStats:
+             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
         stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
         device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
@@ -292,7 +294,8 @@ class PipelineRunner:
         aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         stats = StepStats(loss=0.0)
         live = 0
-        positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
+        if positions is None:
+            positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
         # Receives are posted `recv_ahead` RECV actions early, so a message can travel while this rank computes.
         recv_at = [i for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)]
         order_of = {i: k for k, i in enumerate(recv_at)}

@@ -104,6 +104,7 @@ class ContextParallel:
         rank, cp = self.comm.rank, self.comm.size
         local, positions = [], []
         for inputs, targets in batches:
+            check_divisible(inputs.shape[1], cp, self.layout)
             local.append((shard_sequence(inputs, rank, cp, self.layout), shard_sequence(targets, rank, cp,
                                                                                         self.layout)))
             positions.append(shard_positions(inputs.shape[1], rank, cp, self.layout, inputs.device))

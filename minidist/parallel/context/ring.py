@@ -37,7 +37,7 @@ from minidist.parallel.context.sharding import chunks_per_rank, shard_positions
 def _pass_on(comm: Comm, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
     """Post sending `tensors` to the next rank and receiving their successors from the previous one."""
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    incoming = [torch.empty_like(t) for t in tensors]
+    incoming = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous buffers
     handles = comm.exchange([(t, nxt) for t in tensors], [(t, prev) for t in incoming])
     return incoming, handles
 

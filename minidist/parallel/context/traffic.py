@@ -60,7 +60,7 @@ def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, c
         tensors = [heads * d_qk, kv * d_qk, kv * d_v, heads * d_v]  # q, k, v, output: per token
         for width in tensors:
             nbytes = batch * local * width * element_size
-            add("all_to_all", nbytes - nbytes // cp, 2)  # forward and backward
+            add("all_to_all", 2 * (nbytes - nbytes // cp), 2)  # forward, and its gradient backward
     else:
         raise ValueError(f"unknown context-parallel implementation {impl!r}")
     return dict(sorted(counts.items()))

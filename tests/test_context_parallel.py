@@ -1,0 +1,290 @@
+"""Context parallelism (chapter 10) through `parallelize`: parity with one process for every variant and its
+compositions, the ledger against the byte formulas, the causal mask's work per rank, the blockwise kernel against
+full attention in fp64, and one-line errors for layouts that cannot work.
+
+One launch per world size runs every layout of that size; the comparisons happen here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from parity import (
+    CFG,
+    GLOBAL_BATCH,
+    GRAD_CLIP,
+    SEED,
+    SEQ_LEN,
+    assert_grads_match,
+    assert_losses_match,
+    global_batch,
+    make_optimizer,
+    reference_run,
+)
+
+from minidist.comm import Comm, Ledger
+from minidist.launch import run_ranks
+from minidist.model import build_model, get_preset, lm_loss
+from minidist.model import moe as moe_routing
+from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel.context import (
+    Work,
+    allgather_attention,
+    attend_block,
+    blockwise_attention,
+    expected_cp_traffic,
+    merge,
+    ring_attention,
+    score_balance,
+    shard_sequence,
+    unmasked_scores,
+    validate_context_parallel,
+)
+from minidist.parallel.layout import full_tensor, placement_of
+from minidist.topology import ParallelDims, Topology
+
+GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned")  # positions through pos_emb
+MLA_CFG = CFG.replace(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                                qk_rope_head_dim=8, v_head_dim=16))
+# Dropless MoE with auxiliary-loss-free router biases: the expert loads of each cp rank's tokens must be summed
+# over dp_cp for the bias update to be the one-process one. The balance loss is a statistic of the tokens a rank
+# holds (under data parallelism too), so it is switched off here: what remains must match exactly.
+MOE_CFG = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+                     moe=dict(n_experts=4, top_k=2, router="sigmoid", bias_update_speed=0.05, aux_loss_coef=0.0))
+CONFIGS = {"llama": CFG, "gpt": GPT_CFG, "mla": MLA_CFG, "moe": MOE_CFG}
+
+# label: (config, dims, options, steps)
+LAYOUTS = {
+    2: {
+        "cp2 ring": ("llama", dict(cp=2), dict(cp_impl="ring"), 3),
+        "cp2 allgather": ("llama", dict(cp=2), dict(cp_impl="allgather"), 3),
+        "cp2 ulysses": ("llama", dict(cp=2), dict(cp_impl="ulysses"), 3),
+        "cp2 zero3 ring": ("llama", dict(cp=2), dict(cp_impl="ring", zero=3), 2),
+        "cp2 moe ring": ("moe", dict(cp=2), dict(cp_impl="ring"), 3),
+        "cp2 mla ring": ("mla", dict(cp=2), dict(cp_impl="ring"), 2),
+        "cp2 mla ulysses": ("mla", dict(cp=2), dict(cp_impl="ulysses"), 2),
+        "cp2 gpt allgather 2mb": ("gpt", dict(cp=2), dict(cp_impl="allgather", microbatches=2), 2),
+    },
+    4: {
+        "cp4 ring": ("llama", dict(cp=4), dict(cp_impl="ring"), 3),
+        "cp4 allgather": ("llama", dict(cp=4), dict(cp_impl="allgather"), 3),
+        "cp4 ulysses": ("llama", dict(cp=4), dict(cp_impl="ulysses"), 3),  # 2 kv heads replicated onto 4 ranks
+        "cp2 dp2 ring": ("llama", dict(cp=2, dp=2), dict(cp_impl="ring"), 3),
+        "cp2 tp2 ring": ("llama", dict(cp=2, tp=2), dict(cp_impl="ring"), 2),
+        "cp2 tp2 sp allgather": ("llama", dict(cp=2, tp=2), dict(cp_impl="allgather", sequence_parallel=True), 2),
+        "cp2 tp2 sp ulysses": ("llama", dict(cp=2, tp=2), dict(cp_impl="ulysses", sequence_parallel=True), 2),
+        "cp2 pp2 ring": ("llama", dict(cp=2, pp=2), dict(cp_impl="ring", microbatches=2), 2),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the ranks run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _full_grads(parallel, topo: Topology) -> dict[str, torch.Tensor]:
+    """The averaged gradient of every parameter this rank's stage holds, whole (tp shards gathered), by name."""
+    if parallel.zero is not None:
+        grads = parallel.zero.full_gradients()
+    else:
+        if parallel.grad_sync is not None:
+            parallel.grad_sync.finish_grad_sync()
+        grads = {n: p.grad.detach().clone() for n, p in parallel.model.named_parameters() if p.grad is not None}
+    if topo.size("tp") > 1:
+        quiet = topo.comm("tp", Ledger())
+        params = dict(parallel.model.named_parameters())
+        grads = {n: full_tensor(g, placement_of(params[n]).splits["tp"], quiet) for n, g in grads.items()}
+    return grads
+
+
+def _train(label: str, cfg_name: str, dims: dict, options: dict, steps: int) -> dict:
+    cfg = CONFIGS[cfg_name]
+    topo = Topology(ParallelDims(**dims), dist.get_rank(), dist.get_world_size())
+    parallel = parallelize(build_model(cfg, seed=SEED), cfg, topo, ParallelOptions(**options),
+                           lambda model: make_optimizer(model.parameters()))
+    microbatches = options.get("microbatches", 1)
+    rows = GLOBAL_BATCH // topo.size("dp")
+    first = topo.coord("dp") * rows
+    losses, norms, grads, traffic = [], [], None, {}
+    for step in range(steps):
+        inputs, targets = global_batch(step)
+        inputs, targets = inputs[first:first + rows], targets[first:first + rows]
+        losses.append(parallel.forward_backward(list(zip(inputs.chunk(microbatches), targets.chunk(microbatches))))
+                      .loss)
+        if step == 0:
+            traffic = parallel.context.comm.ledger.totals()
+            keep = topo.coord("dp") == 0 and topo.coord("tp") == 0
+            grads = _full_grads(parallel, topo) if keep else None
+            if not keep and topo.size("tp") > 1:
+                _full_grads(parallel, topo)  # the tp gathers are collective
+        norms.append(parallel.clip_grad_norm_(GRAD_CLIP))
+        parallel.step()
+    return {"losses": losses, "norms": norms, "grads": grads, "traffic": traffic, "batch": rows // microbatches,
+            "microbatches": microbatches, "tp_rank": topo.coord("tp"), "cp_rank": topo.coord("cp")}
+
+
+def _work_per_rank() -> dict:
+    """Unmasked scores each rank's ring (both layouts) and all-gather kernels computed, on one attention call."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 64, 8), torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8)
+    out = {}
+    for name, fn, layout in (("ring contiguous", ring_attention, "contiguous"), ("ring zigzag", ring_attention,
+                             "zigzag"), ("allgather zigzag", allgather_attention, "zigzag")):
+        work = Work()
+        fn(*(shard_sequence(t, rank, cp, layout, dim=2) for t in (q, k, v)), Comm(None, Ledger()), layout,
+           work=work)
+        out[name] = work.scores
+    return out
+
+
+def world_cases(world_size: int) -> dict:
+    out = {label: _train(label, *layout) for label, layout in LAYOUTS[world_size].items()}
+    out["work"] = _work_per_rank()
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def results(world_size: int) -> list[dict]:
+    return run_ranks(world_cases, world_size, world_size, timeout=600)
+
+
+@functools.lru_cache(maxsize=8)
+def reference_for(cfg_name: str, steps: int) -> dict:
+    if cfg_name == "moe":
+        return _moe_reference(steps)
+    return reference_run.__wrapped__(CONFIGS[cfg_name], steps)
+
+
+def _moe_reference(steps: int) -> dict:
+    """parity.reference_run plus the router-bias update after every step (what ParallelModel.step does)."""
+    model = build_model(MOE_CFG, seed=SEED)
+    optimizer = make_optimizer(model.parameters())
+    losses, grad_norms, first_grads = [], [], {}
+    for step in range(steps):
+        inputs, targets = global_batch(step)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        moe_routing.update_router_biases(model)
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": grad_norms, "grads": first_grads}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------------------------
+
+ALL = [(w, label) for w in LAYOUTS for label in LAYOUTS[w]]
+
+
+@pytest.mark.parametrize("world_size,label", ALL, ids=[label for _, label in ALL])
+def test_parity_with_one_process(world_size: int, label: str, one_thread) -> None:
+    """Every step's global loss and gradient norm, and the first step's full gradients, equal one process's."""
+    cfg_name, _, _, steps = LAYOUTS[world_size][label]
+    reference = reference_for(cfg_name, steps)
+    held = set()
+    for rank_out in results(world_size):
+        run = rank_out[label]
+        assert_losses_match(run["losses"], reference["losses"], label)
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["grad_norms"]),
+                                   rtol=1e-4, atol=1e-6, msg=f"{label}: global grad norm")
+        if run["grads"] is not None:
+            assert_grads_match(run["grads"], {n: reference["grads"][n] for n in run["grads"]}, label)
+            held |= set(run["grads"])
+    assert held == set(reference["grads"]), f"{label}: no rank returned {sorted(set(reference['grads']) - held)}"
+
+
+@pytest.mark.parametrize("world_size,label", ALL, ids=[label for _, label in ALL])
+def test_ledger_equals_the_formula(world_size: int, label: str) -> None:
+    """The bytes and calls each cp rank sent in the first step are exactly `expected_cp_traffic`."""
+    cfg_name, dims, options, _ = LAYOUTS[world_size][label]
+    cfg = CONFIGS[cfg_name]
+    layers = cfg.n_layers // dims.get("pp", 1)
+    for rank_out in results(world_size):
+        run = rank_out[label]
+        want = expected_cp_traffic(cfg, options["cp_impl"], run["batch"], SEQ_LEN, dims["cp"], dims.get("tp", 1),
+                                   layers=layers, rank=run["cp_rank"])
+        want = {key: {k: v * run["microbatches"] for k, v in entry.items()} for key, entry in want.items()}
+        assert run["traffic"] == want, f"{label}: ledger {run['traffic']} != formula {want}"
+
+
+def test_causal_work_is_balanced_by_the_zigzag_layout() -> None:
+    """Unmasked scores counted by the kernels: zig-zag ranks do equal work (max/min = 1); contiguous ranks do not
+    (max/min = 1 + 2(cp−1)·c/(c+1), c = T/cp, which tends to 2·cp − 1); the counts are the formula's."""
+    seq_len, cp = 64, 4
+    per_rank = [r["work"] for r in results(cp)]
+    for name, layout in (("ring contiguous", "contiguous"), ("ring zigzag", "zigzag"),
+                         ("allgather zigzag", "zigzag")):
+        counts = [w[name] for w in per_rank]
+        assert counts == [unmasked_scores(seq_len, cp, r, layout) for r in range(cp)], name
+        assert sum(counts) == seq_len * (seq_len + 1) // 2, name  # together: the causal triangle, once
+    zigzag = [w["ring zigzag"] for w in per_rank]
+    contiguous = [w["ring contiguous"] for w in per_rank]
+    assert max(zigzag) == min(zigzag)
+    c = seq_len // cp
+    assert max(contiguous) / min(contiguous) == pytest.approx(1 + 2 * (cp - 1) * c / (c + 1), rel=1e-12)
+    assert score_balance(1 << 16, cp, "contiguous") == pytest.approx(2 * cp - 1, rel=1e-3)
+    assert score_balance(1 << 16, cp, "zigzag") == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# No launch needed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_blockwise_online_softmax_equals_full_attention_in_fp64(one_thread) -> None:
+    """Forward and backward of the blockwise kernel (GQA, unequal key/value head sizes, blocks that do not align
+    with each other) equal full causal attention to fp64 rounding; merging two halves equals the whole."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 24, 6, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 24, 6, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 24, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 4, 24, 5, dtype=torch.float64)
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    want = torch.autograd.grad((full * grad).sum(), (q, k, v))
+    for q_chunks, k_chunks in ((1, 1), (2, 2), (3, 4), (4, 6)):
+        out = blockwise_attention(q, k, v, q_chunks=q_chunks, k_chunks=k_chunks)
+        torch.testing.assert_close(out, full, rtol=0, atol=1e-13)
+        for got, ref in zip(torch.autograd.grad((out * grad).sum(), (q, k, v)), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    with torch.no_grad():  # the online softmax's merge of two disjoint key sets
+        scale = 6 ** -0.5
+        a, b = attend_block(q, k[:, :, :10], v[:, :, :10], scale), attend_block(q, k[:, :, 10:], v[:, :, 10:], scale)
+        whole_out, whole_lse = attend_block(q, k, v, scale)
+        out, lse = merge(a, b)
+        torch.testing.assert_close(out, whole_out, rtol=0, atol=1e-14)
+        torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("change,cp,impl,seq,tp,sp,match", [
+    ({}, 2, "ring", 30, 1, False, r"seq_len=30 does not split into 2·cp chunks \(zig-zag\) = 4"),
+    ({}, 4, "allgather", 36, 1, False, r"seq_len=36 does not split into 2·cp chunks \(zig-zag\) = 8"),
+    ({}, 4, "ulysses", 36, 1, False, None),  # contiguous: cp = 4 chunks of 9
+    ({}, 4, "ulysses", 34, 1, False, r"seq_len=34 does not split into cp chunks = 4"),
+    ({}, 2, "ring", 36, 4, True, r"sequence parallel splits each cp rank.s 18 tokens over tp=4"),
+    ({}, 2, "ring", 24, 4, True, None),  # 2·cp·tp = 16 does not divide 24, but each rank's 12 split over tp=4
+    (dict(n_heads=6, n_kv_heads=2, d_model=96), 4, "ulysses", 32, 1, False, r"ulysses splits the 6 attention heads"),
+    (dict(n_heads=12, n_kv_heads=3, d_model=96), 4, "ulysses", 32, 1, False, r"the 3 kv heads per tp rank"),
+    (dict(n_heads=8, n_kv_heads=2, d_model=64), 4, "ulysses", 32, 1, False, None),  # kv replicated to 4
+    (dict(n_heads=8, n_kv_heads=2, d_model=64), 4, "ulysses", 32, 2, False, None),  # 4 heads, 1 kv per tp rank
+    ({}, 2, "magic", 32, 1, False, r"unknown context-parallel implementation 'magic'"),
+    ({}, 0, "ring", 32, 1, False, r"cp must be a positive integer"),
+])
+def test_bad_layouts_give_one_line_errors(change, cp, impl, seq, tp, sp, match) -> None:
+    cfg = CFG.replace(**change)
+    if match is None:
+        validate_context_parallel(cfg, cp, impl, seq, tp, sp)
+        return
+    with pytest.raises(ValueError, match=match) as info:
+        validate_context_parallel(cfg, cp, impl, seq, tp, sp)
+    assert "\n" not in str(info.value)
