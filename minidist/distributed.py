@@ -36,7 +36,6 @@ class DistEnv:
 
 # What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
 NOT_AVAILABLE_YET = {
-    "cp": ("context parallelism", "10"),
     "ep": ("expert parallelism", "11"),
 }
 
@@ -61,7 +60,9 @@ def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
 
 
 def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """Chapters 08-09: can the model be cut over tp ranks and pp stages this way? One-line ConfigError if not."""
+    """Chapters 08-10: can the model be cut over tp ranks, pp stages and cp ranks this way? One-line ConfigError
+    if not."""
+    from minidist.parallel.context import validate_context_parallel
     from minidist.parallel.pipeline import validate_pipeline
     from minidist.parallel.tensor import validate_tensor_parallel
 
@@ -76,6 +77,7 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
                           "gathering is not wired for tp-sharded or pipeline-stage models); use --zero 1 or 2")
     try:
         validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
+        validate_context_parallel(mcfg, dims.cp, cfg.cp_impl, cfg.seq_len, dims.tp, cfg.sp)
         if dims.pp > 1:
             validate_pipeline(mcfg, dims.pp, cfg.microbatches, cfg.virtual_stages, cfg.schedule,
                               batch_size=cfg.batch_size // dims.dp)

@@ -110,7 +110,8 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     model = build_model(mcfg, seed=cfg.seed).to(device)  # the same full model on every rank, whatever the layout
     counts = parameter_counts(model)
     options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
-                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero)
+                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
+                              cp_impl=cfg.cp_impl)
     make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                        betas=(cfg.beta1, cfg.beta2))
     parallel = parallelize(model, mcfg, topo, options, make_optimizer)

@@ -63,6 +63,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_impl: str = "ring"  # context-parallel attention (with cp > 1): ring, allgather, ulysses
     ep: int = 1
     zero: int = 0
     sp: bool = False  # sequence parallel (with tp > 1)
@@ -105,7 +106,9 @@ FLAGS: list[tuple[str, str]] = [
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
     ("--tp", "tensor-parallel degree"),
     ("--pp", "pipeline-parallel degree"),
-    ("--cp", "context-parallel degree"),
+    ("--cp", "context-parallel degree: each sequence split over cp ranks"),
+    ("--cp-impl", "context-parallel attention with --cp > 1: ring (keys/values around the ring), allgather "
+                  "(gather keys/values, Llama 3), ulysses (all-to-all between sequence and heads)"),
     ("--ep", "expert-parallel degree (carved out of dp*cp)"),
     ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     ("--schedule", "pipeline schedule with --pp > 1: afab (all forwards, all backwards), 1f1b, interleaved"),
@@ -302,7 +305,8 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if mcfg.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
     for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda")),
-                         ("schedule", ("afab", "1f1b", "interleaved"))):
+                         ("schedule", ("afab", "1f1b", "interleaved")),
+                         ("cp_impl", ("ring", "allgather", "ulysses"))):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
     if cfg.zero > 3:

@@ -103,8 +103,8 @@ def test_cli_config_error_exits_2_with_one_line():
 
 
 def test_parallel_flags_checked_against_world_size():
-    with pytest.raises(ConfigError, match=r"^--cp 2: context parallelism is not available yet \(chapter 10\)$"):
-        resolve_parallel_dims(TrainConfig(cp=2), world_size=2)
+    # Chapter 10: cp is carved out of the world size like tp and pp.
+    assert resolve_parallel_dims(TrainConfig(cp=2), world_size=4) == ParallelDims(dp=2, cp=2)
     cfg = TrainConfig(tp=2)
     with pytest.raises(ConfigError, match="does not fit 3 ranks"):
         resolve_parallel_dims(cfg, world_size=3)

@@ -1,0 +1,112 @@
+"""The trainer with context parallelism (chapter 10), composed with data parallelism + ZeRO, pipeline and tensor +
+sequence parallelism: every layout logs the single-process run's losses, gradient norms and validation losses; a
+layout that cannot work fails with a one-line ConfigError before any process group exists. One launch of 4 ranks
+runs every layout through `train(cfg)`."""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import train
+from minidist.distributed import resolve_parallel_dims
+from minidist.launch import run_ranks
+from minidist.train import ConfigError, TrainConfig, check_config
+
+MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+
+LAYOUTS = {
+    "cp2 dp2 ring zero2": dict(cp=2, dp=2, zero=2, cp_impl="ring"),
+    "cp2 pp2 allgather": dict(cp=2, pp=2, cp_impl="allgather"),
+    "cp2 tp2 sp ulysses": dict(cp=2, tp=2, sp=True, cp_impl="ulysses"),  # 1 kv head per tp rank, replicated to 2
+}
+
+
+def config(out: str, **changes) -> TrainConfig:
+    """4 steps of batch 8 x 32 in 2 micro-batches, clipping active, 2 evaluations."""
+    settings = dict(model="tiny", model_overrides=dict(MODEL), max_bytes=100_000, batch_size=8, seq_len=32,
+                    microbatches=2, steps=4, warmup_steps=1, grad_clip=1.0, eval_every=2, eval_batches=2,
+                    log_every=100, ckpt_every=0, out=out, seed=0, peak_flops=1e12, plot=False)
+    return TrainConfig(**{**settings, **changes})
+
+
+def _records(out: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rank_layouts(root: str) -> dict:
+    results = {}
+    for name, changes in LAYOUTS.items():
+        out = str(Path(root) / name.replace(" ", "_"))
+        summary = train.train(config(out, **changes))
+        dist.barrier()  # rank 0 has written metrics.jsonl
+        results[name] = {"losses": summary["losses"], "records": _records(out)}
+    return results
+
+
+@functools.lru_cache(maxsize=1)
+def _results(root: str) -> list[dict]:
+    return run_ranks(_rank_layouts, 4, root, timeout=600, threads_per_rank=1)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return _results(str(tmp_path_factory.mktemp("cp_layouts")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = str(tmp_path_factory.mktemp("single"))
+        train.train(config(out))
+        return _records(out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                          rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_logs_the_single_process_run(name, results, reference) -> None:
+    records = results[0][name]["records"]
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for key in ("loss", "grad_norm"):
+        got, want = [r[key] for r in records], [r[key] for r in reference]
+        assert _close(got, want), f"{name}: {key} {got} != single process {want}"
+    got = [r["val_loss"] for r in records if "val_loss" in r]
+    want = [r["val_loss"] for r in reference if "val_loss" in r]
+    assert len(want) == 2 and _close(got, want), f"{name}: val_loss {got} != single process {want}"
+    for r in results:  # every rank returns the same (global) losses
+        assert r[name]["losses"] == results[0][name]["losses"]
+    assert reference[0]["grad_norm"] > 1.0  # the clipping above was active
+
+
+@pytest.mark.parametrize("world, changes, words", [
+    (4, dict(cp=2, seq_len=30), "seq_len=30 does not split into 2·cp chunks (zig-zag) = 4"),
+    (8, dict(cp=8, cp_impl="ulysses"), "ulysses splits the 4 attention heads per tp rank over cp=8"),
+    (4, dict(cp=2, tp=2, cp_impl="ulysses", model_overrides=dict(MODEL, n_heads=2, n_kv_heads=2)),
+     "ulysses splits the 1 attention heads per tp rank over cp=2"),
+    (4, dict(cp=2, tp=2, sp=True, seq_len=36), None),  # 36 = 4 zig-zag chunks of 9; 18 per rank over tp 2
+])
+def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:
+    """Checked by `resolve_parallel_dims`, which runs before any process group is created."""
+    cfg = config("unused", **changes)
+    if words is None:
+        resolve_parallel_dims(cfg, world)
+        return
+    with pytest.raises(ConfigError) as info:
+        resolve_parallel_dims(cfg, world)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_cp_impl_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"cp_impl 'striped' is unknown; choose one of \('ring', 'allgather', "):
+        check_config(config("unused", cp_impl="striped"))
