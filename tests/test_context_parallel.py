@@ -35,6 +35,7 @@ from minidist.parallel.context import (
     Work,
     allgather_attention,
     attend_block,
+    attend_block_backward,
     blockwise_attention,
     expected_cp_traffic,
     merge,
@@ -242,14 +243,16 @@ def test_causal_work_is_balanced_by_the_zigzag_layout() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_blockwise_online_softmax_equals_full_attention_in_fp64(one_thread) -> None:
-    """Forward and backward of the blockwise kernel (GQA, unequal key/value head sizes, blocks that do not align
-    with each other) equal full causal attention to fp64 rounding; merging two halves equals the whole."""
+@pytest.mark.parametrize("v_dim", [5, 6], ids=["plain kernel (MLA-like head sizes)", "fused where it can"])
+def test_blockwise_online_softmax_equals_full_attention_in_fp64(v_dim: int, one_thread) -> None:
+    """Forward and backward of the blockwise kernel (GQA; blocks aligned, or not aligned with each other) equal full
+    causal attention to fp64 rounding; merging two halves equals the whole. With equal head sizes the aligned
+    blocks run torch's CPU flash kernel, the others the plain one."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 24, 6, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 24, 6, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 2, 24, 5, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(2, 4, 24, 5, dtype=torch.float64)
+    v = torch.randn(2, 2, 24, v_dim, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 4, 24, v_dim, dtype=torch.float64)
     full = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     want = torch.autograd.grad((full * grad).sum(), (q, k, v))
     for q_chunks, k_chunks in ((1, 1), (2, 2), (3, 4), (4, 6)):
@@ -264,6 +267,22 @@ def test_blockwise_online_softmax_equals_full_attention_in_fp64(one_thread) -> N
         out, lse = merge(a, b)
         torch.testing.assert_close(out, whole_out, rtol=0, atol=1e-14)
         torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-14)
+
+
+def test_fused_and_plain_block_kernels_agree_in_fp64(one_thread) -> None:
+    """torch's CPU flash kernel and the plain one: the same block output and log-sum-exp, and the same block
+    gradients given another block's merged (final) output and log-sum-exp, for full and causal blocks."""
+    torch.manual_seed(1)
+    q, k, v, k2, v2 = (torch.randn(1, 4 if i == 0 else 2, 16, 8, dtype=torch.float64) for i in range(5))
+    dout, scale = torch.randn(1, 4, 16, 8, dtype=torch.float64), 8 ** -0.5
+    for seen in ("all", "causal"):
+        fused, plain = (attend_block(q, k, v, scale, seen, fused=f) for f in (True, False))
+        for got, ref in zip(fused, plain):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
+        out, lse = merge(plain, attend_block(q, k2, v2, scale, "all", fused=False))  # final over both blocks
+        grads = [attend_block_backward(dout, q, k, v, out, lse, scale, seen, fused=f) for f in (True, False)]
+        for got, ref in zip(*grads):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("change,cp,impl,seq,tp,sp,match", [

@@ -12,10 +12,13 @@ Algorithm 4, in the form of FlashAttention-2): per key block, P = exp(S − L), 
 dS = P ⊙ (dP − D) with D = rowsum(dO ⊙ O), dQ += dS K·scale, dK = dSᵀ Q·scale. No block's probabilities are saved:
 they are recomputed, which is what keeps activation memory linear in the sequence length.
 
-The kernel is plain torch (einsum), on any device. torch's public SDPA does not return L; its CPU flash kernel
-(`aten._scaled_dot_product_flash_attention_for_cpu`) does, but refuses keys and values of different head sizes
-(MLA). `attend_block` / `attend_block_backward` are the only functions that touch scores: a fused kernel that
-returns the log-sum-exp (FlashAttention's forward and backward on CUDA) replaces exactly these two.
+Two kernels behind one pair of functions, `attend_block` / `attend_block_backward` (the only code that touches
+scores). The reference is plain torch (einsum), on any device and in any dtype, and handles any mask and MLA's
+unequal key/value head sizes. torch's public SDPA returns no L, but its CPU flash kernel,
+`aten._scaled_dot_product_flash_attention_for_cpu`, does, and its backward accepts the final O and L: on CPU, for
+equal head sizes and blocks that are wholly visible or causal on the diagonal, that fused kernel runs instead
+(`fused=None` picks it; both are checked equal in fp64). On CUDA the plain kernel runs; FlashAttention's forward
+and backward (which return and accept the log-sum-exp the same way) would plug into the same two functions.
 
 Grouped-query attention is handled by grouping the query heads, never by repeating key/value heads: query head
 j·g + i reads kv head j (g = H / H_kv), as `repeat_interleave` would lay it out. Shapes: q [B, H, Tq, d],
@@ -50,13 +53,27 @@ def no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
-    """The causal mask between two sets of global positions: "all" (no mask needed), "none" (skip the block) or a
-    bool [Tq, Tk] mask, True where key position <= query position."""
+    """The causal mask between two sets of increasing global positions: "all" (no mask needed), "none" (skip the
+    block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask, True where key <= query."""
     if k_pos.max() <= q_pos.min():
         return "all"
     if k_pos.min() > q_pos.max():
         return "none"
+    if torch.equal(q_pos, k_pos):
+        return "causal"
     return k_pos[None, :] <= q_pos[:, None]
+
+
+def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.Tensor | None:
+    """A visibility as a bool mask for the plain kernel (None: everything visible)."""
+    if isinstance(seen, torch.Tensor):
+        return seen
+    return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril() if seen == "causal" else None
+
+
+def _fusable(q: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | str) -> bool:
+    """Can torch's CPU flash kernel run this block: CPU, equal head sizes, no mask beyond the causal triangle."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and isinstance(seen, str)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -67,13 +84,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 mask: torch.Tensor | None = None) -> Partial:
+                 seen: torch.Tensor | str = "all", fused: bool | None = None) -> Partial:
     """softmax(q kᵀ·scale) v over this block of keys only, and the log-sum-exp of each query's scores.
 
+    `seen`: "all", "causal" or a bool mask (`visibility`). `fused`: torch's CPU flash kernel (None: when it can).
     A query row that sees no key of the block gets output 0 and log-sum-exp −inf, which `merge` weighs by 0."""
     acc = accumulate_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    s = _scores(q, k, scale, mask)
+    if _fusable(q, v, seen) if fused is None else fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, seen == "causal",
+                                                                              scale=scale)
+        return out, lse.to(acc)
+    s = _scores(q, k, scale, _mask(seen, q.shape[2], q.device))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # an all-masked row: exp(−inf − 0) = 0, no NaN
     p = torch.exp(s - m)
@@ -95,14 +117,22 @@ def merge(a: Partial | None, b: Partial) -> Partial:
 
 
 def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          lse: torch.Tensor, delta: torch.Tensor, scale: float,
-                          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this block, given the *final* log-sum-exp of the queries over all keys and
-    delta = rowsum(dO ⊙ O) of the final output: P recomputed as exp(S − L) is then this block's share of the
-    full softmax. dk and dv are summed over the query heads that share each kv head. All in the accumulate dtype."""
+                          out: torch.Tensor, lse: torch.Tensor, scale: float, seen: torch.Tensor | str = "all",
+                          delta: torch.Tensor | None = None, fused: bool | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this block, given the *final* output O and log-sum-exp L of the queries over all keys
+    (and optionally delta = rowsum(dO ⊙ O), reused across blocks): P recomputed as exp(S − L) is then this block's
+    share of the full softmax. dk and dv are summed over the query heads that share each kv head. All in the
+    accumulate dtype."""
     acc = accumulate_dtype(q.dtype)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    if _fusable(q, v, seen) if fused is None else fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out.to(acc), lse, 0.0, seen == "causal", scale=scale)
+    if delta is None:
+        delta = (dout * out.to(acc)).sum(-1)
     heads = k.shape[1]
+    mask = _mask(seen, q.shape[2], q.device)
     p = torch.exp(_scores(q, k, scale, mask) - rearrange(lse, "b (k g) t -> b k g t", k=heads)[..., None])
     do = rearrange(dout, "b (k g) t e -> b k g t e", k=heads)
     dv = torch.einsum("bkgts,bkgte->bkse", p, do)
@@ -128,15 +158,14 @@ def forward_pairs(qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Te
             seen = visibility(qp, pc)
             if isinstance(seen, str) and seen == "none":
                 continue
-            mask = None if isinstance(seen, str) else seen
-            partials[a] = merge(partials[a], attend_block(qc, kc, vc, scale, mask))
+            partials[a] = merge(partials[a], attend_block(qc, kc, vc, scale, seen))
             if work is not None:
-                work.scores += len(qp) * len(pc) if mask is None else int(mask.sum())
+                work.scores += int(_mask(seen, len(qp), qp.device).sum()) if seen != "all" else len(qp) * len(pc)
 
 
 def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Tensor,
-                   v: torch.Tensor, k_pos: torch.Tensor, k_chunks: int, lses: list[torch.Tensor],
-                   deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
+                   v: torch.Tensor, k_pos: torch.Tensor, k_chunks: int, outs: list[torch.Tensor],
+                   lses: list[torch.Tensor], deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same pairs as `forward_pairs`, backwards: add into `dqs` (per query chunk) and return (dk, dv) of this
     block of keys, in the accumulate dtype."""
@@ -148,8 +177,7 @@ def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_pos: list[
             seen = visibility(qp, pc)
             if isinstance(seen, str) and seen == "none":
                 continue
-            mask = None if isinstance(seen, str) else seen
-            dq_a, dk_a, dv_a = attend_block_backward(dos[a], qc, kc, vc, lses[a], deltas[a], scale, mask)
+            dq_a, dk_a, dv_a = attend_block_backward(dos[a], qc, kc, vc, outs[a], lses[a], scale, seen, deltas[a])
             dqs[a] += dq_a
             dk += dk_a
             dv += dv_a
@@ -195,8 +223,8 @@ class _Blockwise(torch.autograd.Function):
             qs = list(q.chunk(q_chunks, dim=2))
             dqs = [torch.zeros(qc.shape, dtype=accumulate_dtype(q.dtype), device=q.device) for qc in qs]
             dk, dv = backward_pairs(list(dout.chunk(q_chunks, dim=2)), qs, list(q_pos.chunk(q_chunks)), k, v, k_pos,
-                                    k_chunks, list(lse.chunk(q_chunks, dim=2)), deltas_of(dout, out, q_chunks),
-                                    ctx.scale, dqs)
+                                    k_chunks, list(out.chunk(q_chunks, dim=2)), list(lse.chunk(q_chunks, dim=2)),
+                                    deltas_of(dout, out, q_chunks), ctx.scale, dqs)
         return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 

@@ -81,7 +81,8 @@ class _RingAttention(torch.autograd.Function):
         q_pos = shard_positions(seq_len, rank, cp, layout, q.device)
         with no_autocast(q):
             qs, qps = list(q.chunk(n, dim=2)), list(q_pos.chunk(n))
-            dos, lses, deltas = list(dout.chunk(n, dim=2)), list(lse.chunk(n, dim=2)), deltas_of(dout, out, n)
+            dos, outs, lses = list(dout.chunk(n, dim=2)), list(out.chunk(n, dim=2)), list(lse.chunk(n, dim=2))
+            deltas = deltas_of(dout, out, n)
             dqs = [torch.zeros(qc.shape, dtype=acc, device=q.device) for qc in qs]
             block = [k, v]
             grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
@@ -90,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
                 if step < cp - 1:
                     incoming, handles = _pass_on(comm, block)
                 k_pos = shard_positions(seq_len, source, cp, layout, q.device)
-                dk, dv = backward_pairs(dos, qs, qps, block[0], block[1], k_pos, n, lses, deltas, scale, dqs)
+                dk, dv = backward_pairs(dos, qs, qps, block[0], block[1], k_pos, n, outs, lses, deltas, scale, dqs)
                 grads[0] += dk
                 grads[1] += dv
                 # The accumulators of block `source` move on with it; the last hop takes each one home.

@@ -1,0 +1,68 @@
+"""Chapter 10 exercises: merge two partial attention results with the online softmax, and split a sequence over
+context-parallel ranks zig-zag (and put it back together).
+
+Grade your answers with `make grade CH=10`. The grader checks, against the chapter's own numbers:
+  - merge_partials on random blocks (fp64) equals softmax attention over the union of the keys, computed directly;
+    also when the scores are huge (exp would overflow), when one block saw no key at all (log-sum-exp −inf), and
+    when both did;
+  - zigzag_shard_index gives the chapter's table (T = 16, cp = 4: rank 1 holds [2, 3, 12, 13]) and, for other
+    sizes, a split where every rank holds T/cp positions and does the same causal work;
+  - zigzag_unshard_index puts the ranks' shards, laid end to end, back into sequence order.
+"""
+
+import torch
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over key set A and attention over a disjoint key set B into attention over A ∪ B.
+
+    Inputs: `out_a` [..., T, d] is softmax(S_A) V_A, normalized over the keys of A only, and `lse_a` [..., T] is
+    the log-sum-exp of each query's scores over A: L_A = log Σ_{j∈A} exp(s_j). The same for B. Return
+    (out, lse) over A ∪ B, without the scores (they are gone: that is the point of the online softmax).
+
+    The derivation (chapter 10, §2; Milakov & Gimelshein 2018): the softmax over A ∪ B divides by
+    Σ_{A∪B} e^s = e^{L_A} + e^{L_B} = e^L, and out_A was divided by e^{L_A}, so
+        L   = log(e^{L_A} + e^{L_B})
+        out = e^{L_A − L} · out_A + e^{L_B − L} · out_B        (the two weights sum to 1)
+
+    Hints:
+      - Never compute e^{L_A} itself: scores of 1000 overflow. torch.logaddexp(a, b) computes L stably, and
+        L_A − L ≤ 0, so e^{L_A − L} is in [0, 1].
+      - A block in which a query saw no key at all (a fully masked row) has L = −inf and out = 0; its weight must
+        be exactly 0. If *both* are −inf, L is −inf and L_A − L is NaN: return out = 0 and lse = −inf there.
+      - The weights have shape [..., T]; out has [..., T, d]: add a trailing dimension to broadcast.
+    """
+    raise NotImplementedError("exercise: merge two partial attention results with the online softmax")
+
+
+def zigzag_shard_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions of the tokens rank `rank` of `cp` holds under the zig-zag split, in the order it holds
+    them (an int64 tensor of seq_len / cp positions).
+
+    Under a causal mask, query t scores t + 1 keys, so a contiguous split (rank r holds [r·T/cp, (r+1)·T/cp))
+    gives the last rank about 2·cp − 1 times the work of the first. The zig-zag split (Llama 3, §3.3.2) cuts the
+    sequence into 2·cp equal chunks of c = T/(2·cp) tokens and gives rank r chunks r and 2·cp − 1 − r: one cheap
+    chunk from the start and one expensive chunk from the end, the same total for every rank.
+
+    Example (T = 16, cp = 4, c = 2): rank 0 holds [0, 1, 14, 15], rank 1 [2, 3, 12, 13], rank 2 [4, 5, 10, 11],
+    rank 3 [6, 7, 8, 9]. Chunk r comes first, then chunk 2·cp − 1 − r, each in increasing order.
+    You may assume seq_len is divisible by 2·cp.
+    """
+    raise NotImplementedError("exercise: the positions of rank `rank`'s two zig-zag chunks")
+
+
+def zigzag_unshard_index(seq_len: int, cp: int) -> torch.Tensor:
+    """The inverse of the split: an index `inv` (int64, seq_len entries) such that, if `held` is every rank's
+    shard laid end to end (rank 0's tokens, then rank 1's, ...), `held[inv]` is the sequence in order.
+
+    Ulysses attention (chapter 10, §6) receives exactly such a `held` sequence after its all-to-all and must put
+    it back into causal order before attending; the all-gather variant could do the same to its gathered keys.
+
+    Example (T = 16, cp = 4): held positions are [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]; position
+    2 sits in slot 4, so inv[2] = 4, and inv = [0, 1, 4, 5, 8, 9, 12, 13, 14, 15, 10, 11, 6, 7, 2, 3].
+
+    Hints: build `held` from zigzag_shard_index for every rank; you want, for each position p, the slot i with
+    held[i] = p. That is the inverse permutation, which torch.argsort gives (or fill inv[held] = arange(T)).
+    """
+    raise NotImplementedError("exercise: the inverse permutation of the zig-zag split")

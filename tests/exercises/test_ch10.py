@@ -1,0 +1,149 @@
+"""Grade chapter 10's exercises: the online-softmax merge of two partial attention results, and the zig-zag split
+of a sequence over context-parallel ranks with its inverse.
+
+`pytest tests/exercises -k ch10` grades solutions/ (the default); add `--impl exercises` to grade your own answers
+(`make grade CH=10`). The oracles are the chapter's own: softmax attention over the union of the keys computed
+directly in fp64, the zig-zag table of §4 (T = 16, cp = 4) and the definition of the split (chunks r and
+2·cp − 1 − r of 2·cp), never the reference answers.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+MODULE = "ch10_context"
+
+
+def _load(impl: str, name: str):
+    """`impl.ch10_context.name`; an unanswered stub fails the test in one line instead of a traceback."""
+    fn = getattr(importlib.import_module(f"{impl}.{MODULE}"), name)
+
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError:
+            pytest.fail(f"{impl}.{MODULE}.{name} is not implemented yet", pytrace=False)
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge_partials
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _attend(scores: torch.Tensor, v: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over the key subset `keys` (bool [S]) and its log-sum-exp, directly from the scores (fp64)."""
+    s = scores.masked_fill(~keys, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    probs = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(s), torch.softmax(s, dim=-1))
+    return probs @ v, lse
+
+
+def _case(scale: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, 5, 12, generator=g, dtype=torch.float64) * scale  # [batch, heads, queries, keys]
+    v = torch.randn(2, 3, 12, 4, generator=g, dtype=torch.float64)
+    split = torch.randperm(12, generator=g) < 5  # a random subset A; B is the rest
+    return scores, v, split
+
+
+@pytest.mark.parametrize("case,scale,empty", [
+    ("random scores", 1.0, None),
+    ("huge scores (e^1000 overflows: weigh by e^(L_A - L), never e^(L_A))", 400.0, None),
+    ("block B saw no key (its L is -inf, its output 0)", 1.0, "b"),
+    ("both blocks saw no key (L = -inf, output 0, no NaN)", 1.0, "both"),
+])
+def test_ch10_merge_partials_equals_attention_over_the_union(impl: str, case: str, scale: float, empty) -> None:
+    merge_partials = _load(impl, "merge_partials")
+    scores, v, in_a = _case(scale, seed=len(case))
+    in_b = ~in_a
+    if empty == "b":
+        in_b = torch.zeros_like(in_a)
+    elif empty == "both":
+        in_a = in_b = torch.zeros_like(in_a)
+    out_a, lse_a = _attend(scores, v, in_a)
+    out_b, lse_b = _attend(scores, v, in_b)
+    want_out, want_lse = _attend(scores, v, in_a | in_b)
+    got_out, got_lse = merge_partials(out_a, lse_a, out_b, lse_b)
+    where = f"merge_partials, {case}"
+    assert got_out.shape == want_out.shape and got_lse.shape == want_lse.shape, \
+        f"{where}: shapes {tuple(got_out.shape)}, {tuple(got_lse.shape)}; expected {tuple(want_out.shape)} and " \
+        f"{tuple(want_lse.shape)} (the output keeps the head dimension, the log-sum-exp drops it)"
+    if torch.isnan(got_out).any() or torch.isnan(got_lse).any():
+        pytest.fail(f"{where}: NaN in the result — an exp of inf - inf? Weigh by exp(L_A - L) with L from "
+                    "torch.logaddexp, and guard L = -inf", pytrace=False)
+    if not torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) or not torch.allclose(
+            got_lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), rtol=1e-12, atol=1e-12):
+        pytest.fail(f"{where}: log-sum-exp differs from log Σ exp(s) over both blocks (max error "
+                    f"{(got_lse - want_lse).nan_to_num().abs().max().item():.2e}) — L = log(e^L_A + e^L_B)",
+                    pytrace=False)
+    if not torch.allclose(got_out, want_out, rtol=1e-12, atol=1e-12):
+        unweighted = (out_a + out_b) / 2
+        hint = (" — the plain average of the two outputs: weigh each by its share e^(L_X - L) of the softmax "
+                "denominator" if torch.allclose(got_out, unweighted) else
+                " — each output is already normalized over its own block: multiply by e^(L_X - L), the share of "
+                "its block in the union's denominator")
+        pytest.fail(f"{where}: output differs from softmax attention over the union by up to "
+                    f"{(got_out - want_out).abs().max().item():.2e}{hint}", pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The zig-zag split
+# ---------------------------------------------------------------------------------------------------------------
+
+TABLE_T16_CP4 = {0: [0, 1, 14, 15], 1: [2, 3, 12, 13], 2: [4, 5, 10, 11], 3: [6, 7, 8, 9]}  # chapter 10, §4
+
+
+def test_ch10_zigzag_shard_index_gives_the_chapter_table(impl: str) -> None:
+    shard = _load(impl, "zigzag_shard_index")
+    for rank, want in TABLE_T16_CP4.items():
+        got = shard(16, 4, rank)
+        got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+        if got != want:
+            hint = ""
+            if sorted(got) == want:
+                hint = " — the right positions in the wrong order: chunk r first, then chunk 2·cp − 1 − r"
+            elif got == list(range(rank * 4, rank * 4 + 4)):
+                hint = " — that is the contiguous split; zig-zag takes chunks r and 2·cp − 1 − r of 2·cp chunks"
+            elif len(got) != 4:
+                hint = f" — {len(got)} positions; each rank holds T/cp = 4"
+            pytest.fail(f"zigzag_shard_index(16, cp=4, rank={rank}) = {got}, expected {want}{hint}", pytrace=False)
+
+
+@pytest.mark.parametrize("seq_len,cp", [(8, 1), (12, 2), (48, 3), (64, 4), (160, 8)])
+def test_ch10_zigzag_split_is_a_balanced_partition(impl: str, seq_len: int, cp: int) -> None:
+    shard = _load(impl, "zigzag_shard_index")
+    chunk = seq_len // (2 * cp)
+    held = [torch.as_tensor(shard(seq_len, cp, r)).long() for r in range(cp)]
+    for r, positions in enumerate(held):
+        first, second = r, 2 * cp - 1 - r
+        want = list(range(first * chunk, (first + 1) * chunk)) + list(range(second * chunk, (second + 1) * chunk))
+        assert positions.tolist() == want, \
+            f"zigzag_shard_index({seq_len}, cp={cp}, rank={r}): {positions.tolist()}, expected chunks {first} and " \
+            f"{second} of {2 * cp} (chunk size {chunk}): {want}"
+    assert sorted(torch.cat(held).tolist()) == list(range(seq_len)), \
+        f"T={seq_len}, cp={cp}: the ranks' positions together must be every position exactly once"
+    work = [int((p + 1).sum()) for p in held]  # query t scores t + 1 keys under the causal mask
+    assert max(work) == min(work), f"T={seq_len}, cp={cp}: unequal causal work per rank {work}"
+
+
+@pytest.mark.parametrize("seq_len,cp", [(16, 4), (12, 2), (48, 3), (160, 8)])
+def test_ch10_zigzag_unshard_index_restores_the_order(impl: str, seq_len: int, cp: int) -> None:
+    unshard = _load(impl, "zigzag_unshard_index")
+    chunk = seq_len // (2 * cp)
+    # The shards laid end to end, built from the definition (not from your shard function).
+    held = torch.cat([torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (r, 2 * cp - 1 - r)])
+                      for r in range(cp)])
+    inv = torch.as_tensor(unshard(seq_len, cp)).long()
+    where = f"zigzag_unshard_index({seq_len}, cp={cp})"
+    assert inv.shape == (seq_len,), f"{where}: shape {tuple(inv.shape)}, expected ({seq_len},)"
+    if not torch.equal(held[inv], torch.arange(seq_len)):
+        hint = (" — that is the forward map (slot -> position); invert it: inv[held[i]] = i"
+                if torch.equal(inv, held) else "")
+        pytest.fail(f"{where}: held[inv] = {held[inv].tolist()[:16]}..., expected 0, 1, 2, ...{hint}", pytrace=False)
+    if (seq_len, cp) == (16, 4):
+        assert inv.tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 14, 15, 10, 11, 6, 7, 2, 3], f"{where}: the chapter's example"
+    data = torch.randn(3, seq_len, 2)  # any tensor: the same index restores its sequence dimension
+    assert torch.equal(data[:, held][:, inv], data), f"{where}: does not restore a [3, T, 2] tensor along dim 1"
