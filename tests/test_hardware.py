@@ -1,0 +1,47 @@
+"""minidist.hardware: the link table's units, its use of the α-β model, and the chip peaks it shares with flops."""
+
+import pytest
+
+from minidist import flops, hardware
+from minidist.cost_model import cost_terms
+
+
+def test_peaks_are_the_flops_tables_own() -> None:
+    assert hardware.PEAK_FLOPS_BF16 is flops.PEAK_FLOPS_BF16
+    for machine in hardware.MACHINES.values():
+        assert machine.peak_flops == flops.peak_flops(machine.chip)
+
+
+def test_link_units() -> None:
+    # Quoted figures: NVLink 4 = 900 GB/s both directions; NDR = 400 Gb/s one direction; one direction is stored.
+    assert hardware.LINKS["nvlink4"].bandwidth == 450e9
+    assert hardware.LINKS["ib-ndr400"].bandwidth == 50e9
+    assert hardware.LINKS["nvlink4"].bandwidth / hardware.LINKS["ib-ndr400"].bandwidth == 9
+    for link in hardware.LINKS.values():
+        assert link.bandwidth > 0 and 0 < link.latency < 1e-4 and link.beta == 1 / link.bandwidth
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "send"])
+@pytest.mark.parametrize("p", [2, 8, 64])
+def test_collective_time_is_the_alpha_beta_model(op: str, p: int) -> None:
+    link, nbytes = hardware.LINKS["nvlink4"], 3e8
+    steps, sent = cost_terms(op, nbytes, p)
+    assert hardware.collective_time(op, nbytes, p, link) == pytest.approx(steps * link.latency + sent / link.bandwidth)
+    if op == "all_reduce":  # the ring: 2(p-1) steps and 2(p-1)/p of the tensor
+        want = 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency
+        assert hardware.collective_time(op, nbytes, p, link) == pytest.approx(want)
+
+
+def test_link_of_a_group() -> None:
+    dgx = hardware.MACHINES["dgx-h100"]
+    assert hardware.link_of(dgx, 8) is hardware.LINKS["nvlink4"]
+    assert hardware.link_of(dgx, 9) is hardware.LINKS["ib-ndr400"]
+    with pytest.raises(ValueError):
+        hardware.link_of(dgx, 0)
+
+
+def test_compute_time() -> None:
+    assert hardware.compute_time(989e12, "H100-SXM") == pytest.approx(1.0)
+    assert hardware.compute_time(989e12, "H100-SXM", mfu=0.5) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        hardware.compute_time(1.0, "H100-SXM", mfu=0)
