@@ -1,9 +1,10 @@
 """Parallelisms as transformations of a built model and a rank grid.
 
-`parallelize` (parallelize.py) is the one assembly: it applies tensor (tensor.py, vocab.py; chapter 08), pipeline
-(pipeline.py, schedules.py; chapter 09) and data parallelism with ZeRO (data_parallel.py, zero.py; chapter 07) in
-one documented order and returns a `ParallelModel`, the object a training loop talks to. Every parameter records
-where it lives (`layout.Placement`), and the one gradient norm of the package (`layout.clip_grad_norm_`) reads it.
+`parallelize` (parallelize.py) is the one assembly: it applies tensor (tensor.py, vocab.py; chapter 08), context
+(context/; chapter 10), pipeline (pipeline.py, schedules.py; chapter 09) and data parallelism with ZeRO
+(data_parallel.py, zero.py; chapter 07) in one documented order and returns a `ParallelModel`, the object a
+training loop talks to. Every parameter records where it lives (`layout.Placement`), and the one gradient norm of
+the package (`layout.clip_grad_norm_`) reads it.
 docs/ARCHITECTURE.md draws the map.
 """
 
