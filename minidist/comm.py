@@ -29,7 +29,8 @@ use the same chunks and schedule, so their measured ledger entries equal these f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,11 +150,19 @@ class Comm:
     `group=None` means the default (world) group when torch.distributed is initialised, and a single rank when it
     is not; a single-rank Comm makes every collective the identity without touching torch.distributed. Every
     collective returns its output tensor, or with `async_op=True` a `Handle` whose `wait()` returns it.
+
+    Test mode: with `expect_device` (and `expect_dtypes`), or inside `with comm.expecting(device, dtypes):`, every
+    tensor handed to a collective or point-to-point call must live on that device with one of those dtypes, or the
+    call raises before it communicates. NCCL takes only tensors on the rank's GPU, and both ends of a message must
+    agree on its dtype; a CPU test run with device "cpu" checks the same discipline where no GPU is.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, *, expect_device: torch.device | str | None = None,
+                 expect_dtypes: Iterable[torch.dtype] | None = None) -> None:
         self.ledger = ledger if ledger is not None else Ledger()
+        self.expect_device = torch.device(expect_device) if expect_device is not None else None
+        self.expect_dtypes = frozenset(expect_dtypes) if expect_dtypes is not None else None
         if dist.is_available() and dist.is_initialized():
             self.group = group if group is not None else dist.group.WORLD
             if self.group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -178,6 +187,30 @@ class Comm:
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def expecting(self, device: torch.device | str, dtypes: Iterable[torch.dtype] | None = None) -> Iterator[Comm]:
+        """Within the block, check every tensor handed to this Comm: on `device`, of a dtype in `dtypes` (if given)."""
+        before = self.expect_device, self.expect_dtypes
+        self.expect_device = torch.device(device)
+        self.expect_dtypes = frozenset(dtypes) if dtypes is not None else None
+        try:
+            yield self
+        finally:
+            self.expect_device, self.expect_dtypes = before
+
+    def _check(self, op: str, *tensors: torch.Tensor | None) -> None:
+        """Test mode (see the class docstring): ValueError for a tensor off the expected device or dtypes."""
+        want = self.expect_device
+        for t in tensors:
+            if t is None:
+                continue
+            if want is not None and (t.device.type != want.type or want.index not in (None, t.device.index)):
+                raise ValueError(f"{op} on {self.name}: a tensor {tuple(t.shape)} on {t.device}, but this Comm "
+                                 f"expects {want}")
+            if self.expect_dtypes is not None and t.dtype not in self.expect_dtypes:
+                raise ValueError(f"{op} on {self.name}: a tensor {tuple(t.shape)} of {t.dtype}, but this Comm "
+                                 f"expects {sorted(map(str, self.expect_dtypes))}")
+
     def _finish(self, work, output: torch.Tensor | None, async_op: bool,
                 after: Callable[[], None] | None = None):
         handle = Handle(work, output, after)
@@ -193,6 +226,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """Reduce `tensor` in place over the group (op: sum, avg, max, min, product). Ledger: 2M - |c_r| - |c_r+1|."""
         reduce_op = self._reduce_op(op)
+        self._check("all_reduce", tensor)
         self.ledger.record("all_reduce", self.name,
                            ring_bytes_sent("all_reduce", tensor.shape, tensor.element_size(), self.size, self.rank))
         if self.size == 1:
@@ -203,6 +237,7 @@ class Comm:
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, async_op: bool = False):
         """Concatenate every rank's `tensor` (same shape everywhere) along dim 0. Ledger: M - |c_r+1|, M = output."""
+        self._check("all_gather", tensor, out)
         if out is None:
             out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (self.size,))
         self.ledger.record("all_gather", self.name,
@@ -217,6 +252,7 @@ class Comm:
                        async_op: bool = False):
         """Reduce over the group; rank r gets rows [r·n, (r+1)·n) (p must divide dim 0). Ledger: M - |c_r|."""
         reduce_op = self._reduce_op(op)
+        self._check("reduce_scatter", tensor, out)
         if tensor.shape[0] % self.size != 0:
             raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size "
                              f"{self.size}; pad it, or use p2p_collectives.ring_reduce_scatter for uneven chunks")
@@ -240,6 +276,7 @@ class Comm:
         know what it will receive (exchange the counts first with an all_to_all of a small tensor).
         Ledger: the bytes of every split but the one kept by this rank.
         """
+        self._check("all_to_all", tensor, out)
         p = self.size
         rows = tensor.shape[0]
         if in_splits is None:
@@ -270,6 +307,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy group rank `src`'s `tensor` into `tensor` on every rank. Ledger: scatter + ring all-gather bytes."""
+        self._check("broadcast", tensor)
         self.ledger.record("broadcast", self.name, ring_bytes_sent("broadcast", tensor.shape, tensor.element_size(),
                                                                    self.size, self.rank, src=src))
         if self.size == 1:
@@ -291,11 +329,13 @@ class Comm:
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         """Start sending `tensor` to group rank `dst`; do not modify `tensor` before wait()."""
+        self._check("isend", tensor)
         self.ledger.record("send", self.name, _nbytes(tensor))
         return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` (contiguous) from group rank `src`; wait() returns it."""
+        self._check("irecv", tensor)
         self.ledger.record("recv", self.name, 0)
         return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor)
 
@@ -303,10 +343,12 @@ class Comm:
                  recvs: Iterable[tuple[torch.Tensor, int]] = ()) -> list[Handle]:
         """Post several sends and receives at once (batch_isend_irecv) so that no ordering can deadlock.
 
-        `sends` and `recvs` are (tensor, group rank) pairs; returns one Handle per non-empty message. Empty tensors
+        `sends` and `recvs` are (tensor, group rank) pairs. Returns the handles torch gives: under gloo one per
+        non-empty message, the receives first; under NCCL one for the whole batch (an NCCL group). Empty tensors
         are skipped (the peer skips its matching empty receive). Each send is recorded as a "send".
         """
         sends, recvs = list(sends), list(recvs)
+        self._check("exchange", *(t for t, _ in sends + recvs))
         for t, _ in sends:
             if t.numel() > 0:
                 self.ledger.record("send", self.name, _nbytes(t))
@@ -319,6 +361,8 @@ class Comm:
 
         For callers that record the bytes themselves under their own op name (the hand-built collectives).
         """
+        sends, recvs = list(sends), list(recvs)
+        self._check("post_unrecorded", *(t for t, _ in sends + recvs))
         sends = [(t.contiguous(), peer) for t, peer in sends if t.numel() > 0]
         recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
         # Receives first: a receive posted before the matching data arrives lets it land in place.

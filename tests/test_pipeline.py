@@ -203,12 +203,11 @@ class Case:
     batch: int = parity.GLOBAL_BATCH
     data: str = "none"  # "ddp" (overlapped bucketed all-reduce) or "zero1" when dp > 1
     sp: bool = False  # sequence parallel (with tp)
-    ahead: int = 1  # receives posted this many RECV actions early
 
     @property
     def name(self) -> str:
         extra = (f" dp{self.dp}-{self.data}" if self.dp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
-        extra += (" sp" if self.sp else "") + (f" recv_ahead={self.ahead}" if self.ahead != 1 else "")
+        extra += " sp" if self.sp else ""
         return f"pp{self.pp} {self.schedule} m={self.m} v={self.v} batch={self.batch}{extra}"
 
 
@@ -216,8 +215,7 @@ class Case:
 # interleaved, which needs m >= pp).
 CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
-    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
-    + [Case("1f1b", 2, 4, ahead=0), Case("interleaved", 2, 4, 2, ahead=4)],
+    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)],
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
@@ -245,7 +243,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
             shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // case.tp, cfg.d_model)  # noqa: E731
     stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn)
     runner = PipelineRunner(stage, pp_comm, case.schedule, case.m, case.v, activation_shape=shape,
-                            measure_memory=True, recv_ahead=case.ahead)
+                            measure_memory=True)
     optimizer = parity.make_optimizer(stage.parameters())
     engine = None
     if case.data == "ddp":
@@ -356,7 +354,7 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
     # Measured with saved-tensor hooks: every micro-batch saves the same bytes on a given rank, so the peak is
     # (micro-batches in flight) x (bytes per micro-batch): m for AFAB, min(p - r, m) for 1F1B.
     runs = {(c.schedule, c.pp, c.m): res for c, res in zip(CASES[world], _results(world))
-            if c.dp == c.tp == 1 and c.ahead == 1}
+            if c.dp == c.tp == 1}
     for (schedule, p, m), results in runs.items():
         if schedule != "1f1b":
             continue

@@ -9,10 +9,12 @@ Three pieces:
    model's own forward runs them (over a chunk's blocks, with or without the embedding and the head).
 2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.schedules` (any schedule: the
    executor does not know which one it runs). Activations and gradients travel point to point through
-   `minidist.comm`, so the ledger sees every byte. The last chunk scores the SUM of its token losses and scales it
-   by the caller's `loss_scale` (replicas / tokens counted in the global batch) before its backward, so the
-   accumulated gradient is that of the mean over every counted token of the batch, whatever each micro-batch
-   counts (scaling micro-batch means by 1/m is right only when all count the same). A micro-batch's
+   `minidist.comm`, so the ledger sees every byte, in the steps `pipeline_p2p.p2p_program` plans: each a batch that
+   neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up. The
+   last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
+   counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every
+   counted token of the batch, whatever each micro-batch counts (scaling micro-batch means by 1/m is right only
+   when all count the same). A micro-batch's
    saved activations are released by its backward (nothing else holds them), which is what makes 1F1B's memory
    smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
 3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
@@ -37,7 +39,9 @@ from torch import nn
 from minidist.comm import Comm, Ledger
 from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
+from minidist.nccl_model import Post, Wait
 from minidist.parallel.layout import placement_of
+from minidist.parallel.pipeline_p2p import InFlight, Message, Planned, message_of, p2p_program
 from minidist.parallel.schedules import (
     RECV_B,
     RECV_F,
@@ -49,7 +53,6 @@ from minidist.parallel.schedules import (
     F,
     build_schedule,
     check_schedule_args,
-    chunk_rank,
     forward_only,
     rank_chunks,
 )
@@ -192,60 +195,34 @@ class PipelineRunner:
     are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
     under bf16 autocast), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller reduces
     them over data-parallel replicas, clips (`layout.clip_grad_norm_` over the tp and pp groups: each parameter's
-    placement names its stage) and steps the optimizer. Each receive is posted when the rank reaches the RECV action
-    `recv_ahead` receives before it (0: only when it needs it), so the message can arrive while the rank computes.
+    placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
+    rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
+    the message can travel while the rank computes.
     """
 
     def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
                  virtual_stages: int | None = None, *, activation_dtype: torch.dtype = torch.float32,
                  activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
-                 measure_memory: bool = False, with_aux: bool = False, recv_ahead: int = 1) -> None:
+                 measure_memory: bool = False, with_aux: bool = False) -> None:
         v = stage.virtual_stages if virtual_stages is None else virtual_stages
         if v != stage.virtual_stages or comm.size != stage.pp or comm.rank != stage.pp_rank:
             raise ValueError(f"the stage ({stage.pp_rank} of pp={stage.pp}, virtual_stages={stage.virtual_stages}) "
                              f"does not match the runner (rank {comm.rank} of {comm.size}, virtual_stages={v})")
         self.stage, self.comm = stage, comm
         self.pp, self.microbatches, self.schedule = stage.pp, microbatches, schedule
-        self.actions: list[Action] = build_schedule(schedule, stage.pp, microbatches, v)[stage.pp_rank]
+        schedules = build_schedule(schedule, stage.pp, microbatches, v)
+        self.actions: list[Action] = schedules[stage.pp_rank]
+        self.program: list[Planned] = p2p_program(schedules)[stage.pp_rank]
         self.activation_dtype = activation_dtype
         d_model = stage.cfg.d_model
         self.activation_shape = activation_shape or (lambda tokens: (*tokens.shape, d_model))
         self.saved = _SavedBytes(stage.parameters()) if measure_memory else None
         self.with_aux = with_aux
-        self.recv_ahead = recv_ahead
-
-    # -- point to point, tagged by message so that any order of posting matches up ---------------------------------
-
-    def _tag(self, direction: str, mb: int, consumer_chunk: int) -> int:
-        return 2 * (mb * self.stage.n_chunks + consumer_chunk) + (0 if direction == F else 1)
-
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int, mailbox: dict, pending: list) -> None:
-        if peer == self.comm.rank:  # the next chunk is on this rank (pp=1 with virtual stages)
-            mailbox[tag] = tensor.detach().clone()
-            return
-        # Comm.isend has no tag; record as it would and post the tagged send on its group.
-        self.comm.ledger.record("send", self.comm.name, tensor.numel() * tensor.element_size())
-        # A send in flight keeps its tensor alive: drop the finished ones now rather than at the end of the step.
-        pending[:] = [work for work in pending if not work.is_completed()]
-        pending.append(dist.isend(tensor.contiguous(), dst=self.comm.global_rank(peer), group=self.comm.group,
-                                  tag=tag))
-
-    def _message(self, a: Action, batches: list) -> tuple[tuple[int, ...], int, int]:
-        """(buffer shape, peer, tag) of the message a RECV_F / RECV_B action receives."""
-        shape = self.activation_shape(batches[a.mb][0])
-        if a.kind == RECV_F:
-            return shape, chunk_rank(a.chunk - 1, self.pp), self._tag(F, a.mb, a.chunk)
-        return shape, chunk_rank(a.chunk + 1, self.pp), self._tag(B, a.mb, a.chunk)
-
-    def _post_recv(self, a: Action, batches: list) -> tuple:
-        """Start receiving the message of `a`: (buffer, work), or (tag, None) for a hand-over on this rank."""
-        shape, peer, tag = self._message(a, batches)
-        if peer == self.comm.rank:
-            return tag, None
-        self.comm.ledger.record("recv", self.comm.name, 0)
-        # On the compute device, like the inputs: a CPU buffer would not work with NCCL and would cost a copy.
-        buffer = torch.empty(shape, dtype=self.activation_dtype, device=batches[a.mb][0].device)
-        return buffer, dist.irecv(buffer, src=self.comm.global_rank(peer), group=self.comm.group, tag=tag)
+        if comm.size > 1:
+            # Under NCCL, a group's first operation creates its communicator, and a batch_isend_irecv may be that
+            # first operation only if every rank of the group joins it. A tiny collective first lifts the rule.
+            device = next(stage.parameters()).device
+            comm.all_reduce(torch.zeros(1, device=device))
 
     # -- one step --------------------------------------------------------------------------------------------------
 
@@ -265,7 +242,7 @@ class PipelineRunner:
         """
         if len(batches) != self.microbatches:
             raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
-        return self._run(self.actions, batches, autocast, no_sync, loss_scale, positions)
+        return self._run(self.actions, self.program, batches, autocast, no_sync, loss_scale, positions)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -273,10 +250,11 @@ class PipelineRunner:
                  positions: list[torch.Tensor] | None = None) -> float:
         """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
         rank. Divide by the number of counted targets for the mean."""
-        actions = forward_only(self.pp, len(batches), self.stage.virtual_stages)[self.stage.pp_rank]
-        return self._run(actions, batches, autocast, None, 1.0, positions).loss
+        schedules = forward_only(self.pp, len(batches), self.stage.virtual_stages)
+        rank = self.stage.pp_rank
+        return self._run(schedules[rank], p2p_program(schedules)[rank], batches, autocast, None, 1.0, positions).loss
 
-    def _run(self, actions: list[Action], batches: list[tuple[torch.Tensor, torch.Tensor]],
+    def _run(self, actions: list[Action], program: list[Planned], batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager],
              no_sync: Callable[[], contextlib.AbstractContextManager] | None,
              loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
@@ -288,38 +266,43 @@ class PipelineRunner:
         out_grads: dict[tuple[int, int], torch.Tensor] = {}
         in_grads: dict[tuple[int, int], torch.Tensor] = {}
         held: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per forward not yet backwarded
-        mailbox: dict[int, torch.Tensor] = {}
-        pending: list = []
+        mailbox: dict[Message, torch.Tensor] = {}  # messages between chunks of this rank (pp=1)
+        wire = InFlight(self.comm, self.activation_dtype, device)
+        due: list[list[Post | Wait]] = [[] for _ in range(len(actions) + 1)]  # the program, by action index
+        for planned in program:
+            due[planned.at].append(planned.item)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         stats = StepStats(loss=0.0)
         live = 0
         if positions is None:
             positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
-        # Receives are posted `recv_ahead` RECV actions early, so a message can travel while this rank computes.
-        recv_at = [i for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)]
-        order_of = {i: k for k, i in enumerate(recv_at)}
-        posted: dict[int, tuple] = {}
 
-        def receive(index: int) -> torch.Tensor:
-            k = order_of[index]
-            for i in recv_at[k:k + 1 + self.recv_ahead]:
-                if i not in posted:
-                    posted[i] = self._post_recv(actions[i], batches)
-            buffer, work = posted.pop(index)
-            if work is None:  # handed over on this rank: `buffer` is the tag
-                return mailbox.pop(buffer)
-            work.wait()
-            return buffer
+        def outgoing(message: Message) -> torch.Tensor:
+            """The tensor a message carries: a chunk's output forward, the gradient of a chunk's input backward."""
+            if message.direction == F:
+                return outputs[(message.mb, message.chunk - 1)].detach()
+            return in_grads.pop((message.mb, message.chunk + 1))
+
+        def shape(message: Message) -> tuple[int, ...]:
+            return self.activation_shape(batches[message.mb][0])
+
+        def incoming(a: Action) -> torch.Tensor:
+            return mailbox.pop(message_of(a)) if p == 1 else wire.take(message_of(a))
 
         last_backward = max((i for i, a in enumerate(actions) if a.kind == B), default=-1)
         for index, a in enumerate(actions):
+            for item in due[index]:  # this gap's batches: posting them is not the action's time
+                if isinstance(item, Post):
+                    wire.post(item, outgoing, shape)
             start = time.perf_counter()
+            for item in due[index]:  # a RECV action waits for its message (the program puts posts first)
+                if isinstance(item, Wait):
+                    wire.wait(item.message)
             key = (a.mb, a.chunk)
             tokens, targets = batches[a.mb]
             if a.kind == RECV_F:
-                x = receive(index)
-                inputs[key] = x.requires_grad_(torch.is_grad_enabled())
+                inputs[key] = incoming(a).requires_grad_(torch.is_grad_enabled())
             elif a.kind == F:
                 x = tokens if a.chunk == 0 else inputs[key]
                 with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
@@ -338,11 +321,8 @@ class PipelineRunner:
                 live += held[key]
                 stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(held))
-            elif a.kind == SEND_F:
-                self._send(outputs[key].detach(), chunk_rank(a.chunk + 1, p), self._tag(F, a.mb, a.chunk + 1),
-                           mailbox, pending)
             elif a.kind == RECV_B:
-                out_grads[key] = receive(index)
+                out_grads[key] = incoming(a)
             elif a.kind == B:
                 out = outputs.pop(key)
                 tensors = [out * loss_scale] if a.chunk == last else [out]
@@ -355,12 +335,11 @@ class PipelineRunner:
                 if a.chunk > 0:
                     in_grads[key] = inputs.pop(key).grad
                 live -= held.pop(key)
-            elif a.kind == SEND_B:
-                self._send(in_grads.pop(key), chunk_rank(a.chunk - 1, p), self._tag(B, a.mb, a.chunk - 1),
-                           mailbox, pending)
+            elif a.kind in (SEND_F, SEND_B) and p == 1:  # the next chunk is on this rank: hand it over
+                mailbox[message_of(a)] = outgoing(message_of(a)).clone()
             stats.events.append(Event(stage.pp_rank, a, start, time.perf_counter()))
-        for work in pending:
-            work.wait()
+        for item in due[len(actions)]:  # the sends still in flight
+            wire.wait(item.message)
         # One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses.
         totals = torch.stack([loss_sum, aux_sum / len(batches)])
         if p > 1:
