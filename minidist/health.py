@@ -48,3 +48,34 @@ def replica_hash(tensors: Iterable[torch.Tensor]) -> str:
         digest.update(f"{tuple(t.shape)}{t.dtype};".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+
+def comm_failure(exc: BaseException) -> str | None:
+    """One line for an exception raised inside a collective (a peer that stopped answering within
+    --comm-timeout, or died), naming the operation and the group from the outermost `Comm` frame of the
+    traceback; None for any other exception (a bug, which keeps its traceback)."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    innermost = frames[-1].f_code.co_filename if frames else ""
+    if not any(part in innermost for part in ("minidist/comm.py", "torch/distributed")):
+        return None
+    where = "a collective"
+    for frame in frames:
+        comm = frame.f_locals.get("self")
+        if type(comm).__name__ == "Comm":
+            where = f"{frame.f_code.co_name} over group {comm.name} (ranks {comm.ranks})"
+            break
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{where} failed: {first}"
+
+
+def stop_reason(exc: BaseException, rank: int) -> str | None:
+    """The one line the trainer prints when it stops a run on purpose (a divergence, replicas that differ, a
+    collective that failed); None for anything else."""
+    if isinstance(exc, TrainingDiverged):
+        return str(exc)
+    line = comm_failure(exc)
+    return f"rank {rank}: {line}" if line is not None else None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minidist import checkpoint
+from minidist import checkpoint, replicas
 from minidist.train_config import config_to_values
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
@@ -23,7 +23,9 @@ SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "se
 
 
 def save_run(run: Any, steps_done: int) -> None:
-    """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0."""
+    """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0. The replicas
+    are compared first: a checkpoint must never preserve copies that disagree."""
+    replicas.check_run(run, f"check before the checkpoint at step {steps_done}")
     state = {**run.parallel.state_dict(), "schedule": run.schedule.state_dict(),
              "sampler": run.sampler.state_dict(), "rng": rng_state()}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
@@ -54,6 +56,7 @@ def restore_run(run: Any) -> int | None:
         lines = str(e).splitlines() or [""]
         path = checkpoint_dir(root, step) / checkpoint.rank_file(run.env.rank)
         raise ValueError(f"{path} does not fit this run: {type(e).__name__} {lines[0]}") from None
+    replicas.check_run(run, f"check after resuming from step {step}")  # rank files that disagree, loaded unevenly
     return step
 
 

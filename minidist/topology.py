@@ -28,6 +28,7 @@ process groups from them.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -132,10 +133,13 @@ class Topology:
 
     Construction is collective: every rank must build its Topology with the same `dims`, because each
     `dist.new_group` call must be made by all ranks in the same order. With world_size 1 no process group is
-    created (`group()` returns None and `minidist.comm.Comm` treats the group as a single rank).
+    created (`group()` returns None and `minidist.comm.Comm` treats the group as a single rank). `timeout`: how long
+    any collective of the groups made here may wait for a peer before it raises (None: torch's default, 30 min
+    under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, world_size: int) -> None:
+    def __init__(self, dims: ParallelDims, rank: int, world_size: int,
+                 timeout: datetime.timedelta | None = None) -> None:
         dims.validate(world_size)
         if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
             actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
@@ -153,7 +157,7 @@ class Topology:
                     self._ranks[name] = ranks
                 # Every rank calls new_group for every group, members or not, in one agreed order.
                 if world_size > 1:
-                    group = dist.group.WORLD if name == "world" else dist.new_group(ranks)
+                    group = dist.group.WORLD if name == "world" else dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         self._groups[name] = group
                 else:

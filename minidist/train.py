@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import flops, health, metrics, run_dir, run_state
+from minidist import faults, flops, health, metrics, replicas, run_dir, run_state
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.distributed import DistEnv, init_distributed, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig, build_model
@@ -91,8 +91,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     env = DistEnv.detect()
     dims = resolve_parallel_dims(cfg, env.world_size)  # before any process group: a bad layout fails fast
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
+    faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
     device = pick_device(cfg.device, env)
-    topo, created_group = init_distributed(dims, env, device)
+    topo, created_group = init_distributed(dims, env, device, timeout_s=cfg.comm_timeout)
     try:
         run = setup(cfg, env, topo, device)
         resume(run)
@@ -221,6 +222,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         losses, grad_norm = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
                                        autocast=run.autocast)
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
+        faults.inject(cfg.inject_fault, step, run.env.rank, run.parallel.model, params_sharded=cfg.zero == 3)
         seconds = time.perf_counter() - started
         tokens_per_s = info["tokens_per_step"] / seconds
         record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
@@ -235,6 +237,8 @@ def train_loop(run: Run) -> dict[str, Any]:
         clock.tick()
         if _is_due(step, cfg.log_every, last) or step == run.start_step:
             run.log(metrics.progress_line(record, cfg.steps, clock))
+        if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
+            replicas.check_run(run, f"check after step {step}")
         if cfg.ckpt_every > 0 and _is_due(step, cfg.ckpt_every, last):
             run_state.save_run(run, step + 1)
         for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
@@ -277,8 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except health.TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+    except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
+        if (line := health.stop_reason(e, DistEnv.detect().rank)) is None:
+            raise  # a bug: keep its traceback
+        print(f"error: {line}", file=sys.stderr)
         return 1
     return 0
 

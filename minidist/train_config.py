@@ -82,6 +82,10 @@ class TrainConfig:
     seed: int = 0
     peak_flops: float | None = None
     plot: bool = True
+    # trust nothing (minidist.replicas, minidist.faults)
+    check_every: int = 50  # compare replicas every N steps, at every checkpoint, at resume and at the end
+    comm_timeout: float = 300.0  # seconds a collective may wait for a peer before the job stops
+    inject_fault: str | None = None  # a fault drill: bitflip:STEP:RANK[:NAME]
 
 
 # (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
@@ -121,6 +125,11 @@ FLAGS: list[tuple[str, str]] = [
     ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
     ("--seed", "seed of the initialization and of the data order"),
     ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
+    ("--check-every", "compare the replicas' parameters and buffers (hashes) every N steps, at checkpoints, at "
+                      "resume and at the end (0: only those)"),
+    ("--comm-timeout", "seconds any collective waits for a peer before the job stops, naming the group"),
+    ("--inject-fault", "fault drill: bitflip:STEP:RANK[:NAME] flips one mantissa bit of one parameter on RANK "
+                       "after step STEP"),
 ]
 
 
@@ -287,7 +296,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     mcfg = model_config(cfg)
     at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
                 "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-                "virtual_stages": 1, "keep": 1}
+                "virtual_stages": 1, "keep": 1, "check_every": 0}
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
@@ -321,6 +330,12 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not Path(cfg.data).expanduser().exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
                           "a .bin/.npy file, or 'stdlib'")
+    if cfg.comm_timeout <= 0:
+        raise ConfigError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    if cfg.inject_fault is not None:
+        from minidist.faults import parse_fault
+
+        parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run in train()
     lr_schedule(cfg)  # its own checks (lr >= min_lr >= 0)
     return mcfg
 
