@@ -186,6 +186,60 @@ def test_dropped_tokens_output_zero_and_drop_rate_reported():
     assert layer.last_stats["drop_rate"] == pytest.approx(1 - capacity / 12)
 
 
+def test_capacity_is_per_sequence_in_priority_order():
+    # 2 sequences of 3 tokens, 2 experts, top-1, capacity 1 per sequence: each sequence's first token wins
+    indices = torch.tensor([[0], [0], [1], [0], [1], [1]])
+    plan = plan_dispatch(indices, torch.ones(6, 1), 2, capacity=1, seq_len=3)
+    assert sorted(plan.token.tolist()) == [0, 2, 3, 4]
+    assert plan.counts.tolist() == [2, 2] and plan.dropped == 2
+    # one sequence of 6: expert 0 keeps only token 0, expert 1 only token 2
+    assert sorted(plan_dispatch(indices, torch.ones(6, 1), 2, capacity=1).token.tolist()) == [0, 2]
+
+
+def _skewed_layer(**moe) -> MoELayer:
+    layer = moe_layer(seed=7, n_experts=4, top_k=2, **moe).double()
+    with torch.no_grad():
+        layer.router.weight[0] += 0.4  # overload expert 0, so that a capacity factor of 1 drops
+    return layer
+
+
+def test_splitting_the_batch_changes_no_output_drop_or_balance_loss():
+    """Micro-batches, data- and expert-parallel ranks all see whole sequences: the capacity and the balance loss
+    must not depend on how many sequences one forward holds. (With capacity per forward call, the two halves
+    dropped other slots than the whole batch and the outputs differed by ~1e-3.)"""
+    layer = _skewed_layer(capacity_factor=1.0, aux_loss_coef=1.0)
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    whole = layer(x)
+    aux_whole, drop_whole = layer.aux_loss.item(), layer.last_stats["drop_rate"]
+    halves, aux_halves = [], []
+    for half in x.split(2):
+        halves.append(layer(half))
+        aux_halves.append(layer.aux_loss.item())
+    assert drop_whole > 0.02  # the case drops
+    torch.testing.assert_close(torch.cat(halves), whole, rtol=1e-12, atol=1e-12)
+    assert sum(aux_halves) / 2 == pytest.approx(aux_whole, rel=1e-12)
+    # and the naive loop agrees on which slots are dropped, sequence by sequence
+    torch.testing.assert_close(moe_forward_naive(layer, x), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_step_figures_of_two_halves_equal_those_of_the_whole_batch():
+    cfg = moe_cfg(n_experts=4, top_k=2, capacity_factor=1.0, z_loss_coef=1e-3)
+    model = build_model(cfg).double()
+    for block in model.blocks:
+        with torch.no_grad():
+            block.mlp.router.weight[0] += 0.4
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(10))
+    model(tokens)
+    whole = moe_stats(model)
+    for half in tokens.split(2):
+        model(half)
+    halves = moe_stats(model)
+    assert whole["moe_drop_rate"] > 0 and whole.keys() == halves.keys()
+    for key, value in whole.items():
+        assert halves[key] == pytest.approx(value, rel=1e-12), key
+    assert moe_stats(model) == {}  # read and reset: nothing routed since
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # sorted dispatch == the naive boolean-mask loop, forward and backward
 

@@ -10,26 +10,32 @@ Routers (`route`):
   s alone, renormalized over the chosen k and multiplied by routed_scaling_factor (DeepSeek-V3 2024, eq. 12-16).
 Ties are broken deterministically: the lower expert index wins (a stable descending sort).
 
-Balancing: `load_balancing_loss` (Switch, eq. 4-6), `router_z_loss` (ST-MoE, Zoph et al. 2022, eq. 5) and the
-auxiliary-loss-free bias (Wang et al. 2024; DeepSeek-V3 §2.1.2), updated by `update_router_biases`.
+Balancing: `load_balancing_loss` (Switch, eq. 4-6, computed per sequence as DeepSeek-V3's sequence-wise loss,
+eq. 17-20), `router_z_loss` (ST-MoE, Zoph et al. 2022, eq. 5) and the auxiliary-loss-free bias (Wang et al. 2024;
+DeepSeek-V3 §2.1.2), updated by `update_router_biases`.
 
-Capacity: each expert takes at most C = ⌈capacity_factor · tokens · k / N⌉ token-slots of one forward. Priority is
-(choice rank, token index): every token's first choice is served before any second choice, and within one rank the
-earlier token (in the flattened [batch · seq] order) wins — GShard's rule (Lepikhin et al. 2020, Algorithm 1). A
-dropped slot contributes zero; the residual connection carries the token. capacity_factor None: dropless.
+Capacity: each expert takes at most C = ⌈capacity_factor · T · k / N⌉ token-slots of each *sequence* of T tokens.
+Priority inside a sequence is (choice rank, position): every first choice is served before any second choice, and
+within one rank the earlier position wins — GShard's rule (Lepikhin et al. 2020, Algorithm 1), applied per sequence.
+A dropped slot contributes zero; the residual connection carries the token. capacity_factor None: dropless.
+
+Why per sequence (not per forward call, or per device as in GShard and Switch): parity. No layout but context
+parallelism splits a sequence, so the dropped slots and the balance loss f·P (not linear in the tokens) are the
+same in every layout; cp ranks would exchange small counts (see `plan_dispatch`, `sequence_balance_losses`).
 
 Dispatch: slots are sorted by expert id (a stable argsort), gathered with index_select into one buffer where each
 expert's tokens are a contiguous slice, run through the experts (a loop over experts, or torch._grouped_mm), and
 summed back with index_add. `moe_forward_naive` is the boolean-mask loop it is checked against.
 
 Trainer contract:
-- `Transformer.aux_loss()` sums `MoELayer.aux_loss` (α·balance + z_coef·z, already weighted) from the last
-  forward; add it to the language-model loss (per micro-batch, scaled like the LM loss).
-- `moe_stats(model)` returns floats to log after a step (load imbalance max/mean, drop rate, unweighted losses).
-- `update_router_biases(model, reduce_fn)` after each optimizer step: applies b_i += γ·sign(mean_load − load_i)
-  to the router bias buffers using the routed-token counts of every training forward since the previous call
-  (all micro-batches), then resets the counts. Under data parallelism pass a reduce_fn that sums a tensor in place
-  over the data-parallel ranks so every replica applies the same update.
+- `Transformer.aux_loss()` sums `MoELayer.aux_loss` (α·balance + z_coef·z, weighted) of the last forward; add it
+  to the LM loss per micro-batch. Both are means (over sequences, over tokens): equal micro-batches and replicas
+  average to the global batch's value.
+- `moe_stats(model, reduce_fn)` after a step: balance figures of the training forwards since the previous call,
+  from sums that `reduce_fn` adds over ranks, so every layout logs the figures of the whole global batch.
+- `update_router_biases(model, reduce_fn)` after each optimizer step: b_i += γ·sign(mean_load − load_i) from the
+  routed-slot counts of every training forward since the previous call, then resets them. Under data parallelism
+  reduce_fn sums the counts over the replicas, so every replica applies the same update.
 """
 
 from __future__ import annotations
@@ -98,20 +104,41 @@ def route(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch
 # balancing losses
 
 
-def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """N · Σᵢ fᵢ · Pᵢ (Fedus et al. 2021, eq. 4-6), unweighted: multiply by α.
+def sequence_balance_losses(router_probs: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
+                            seq_len: int | None = None) -> torch.Tensor:
+    """N · Σᵢ fᵢ · Pᵢ of each sequence of `seq_len` consecutive tokens (default: all tokens are one sequence): [S].
 
-    fᵢ = (token-slots routed to i) / (T · k): the fraction of the T·k routing decisions that chose i (counted
-    before any capacity dropping), so Σ fᵢ = 1. Pᵢ = mean over tokens of the router probability of i, Σ Pᵢ = 1.
-    Uniform routing gives exactly 1; top-1 collapse onto one expert gives N; top-k routing concentrated on the
-    same k experts gives N/k. Only P carries a gradient (f is a count).
+    Switch's loss (Fedus et al. 2021, eq. 4-6) on the tokens of one sequence, i.e. DeepSeek-V3's sequence-wise
+    balance loss (eq. 17-20). fᵢ = (token-slots routed to i) / (T · k): the fraction of the sequence's T·k routing
+    decisions that chose i (counted before any capacity dropping), so Σ fᵢ = 1. Pᵢ = mean over its tokens of the
+    router probability of i. Only P carries a gradient (f is a count).
+
+    Context parallelism (a sequence split over cp ranks) keeps this exact: all-reduce each sequence's counts over
+    cp (f, no gradient), and let each rank add N · Σᵢ fᵢ · (Σ over its own tokens pᵢ) / T; the cp ranks' terms sum
+    to the sequence's loss, and each is linear in that rank's probabilities.
     """
     probs = _at_least_fp32(router_probs.reshape(-1, num_experts))
-    indices = expert_indices.reshape(probs.shape[0], -1)
-    counts = torch.bincount(indices.flatten(), minlength=num_experts).to(probs.dtype)
-    f = counts / indices.numel()
-    p = probs.mean(dim=0)
-    return num_experts * (f * p).sum()
+    tokens = probs.shape[0]
+    indices = expert_indices.reshape(tokens, -1)
+    seq_len = seq_len or tokens
+    sequences = tokens // seq_len
+    # counts[s, i]: slots of sequence s routed to i, one bincount over the pairs (s, i) numbered s·N + i
+    pair = indices.reshape(sequences, -1) + num_experts * torch.arange(sequences, device=indices.device)[:, None]
+    counts = torch.bincount(pair.flatten(), minlength=sequences * num_experts).view(sequences, num_experts)
+    f = counts.to(probs.dtype) / indices[:seq_len].numel()  # / (T·k)
+    p = probs.reshape(sequences, seq_len, num_experts).mean(dim=1)
+    return num_experts * (f * p).sum(dim=-1)
+
+
+def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
+                        seq_len: int | None = None) -> torch.Tensor:
+    """The mean over sequences of `sequence_balance_losses`, unweighted: multiply by α. With seq_len None (all
+    tokens one set) it is Switch's batch-wise loss.
+
+    Uniform routing gives exactly 1; top-1 collapse onto one expert gives N; top-k routing concentrated on the
+    same k experts gives N/k.
+    """
+    return sequence_balance_losses(router_probs, expert_indices, num_experts, seq_len).mean()
 
 
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
@@ -126,6 +153,7 @@ def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """⌈capacity_factor · tokens · k / experts⌉ token-slots per expert; None (dropless) when the factor is None.
+    The layer passes the tokens of one sequence: the capacity is per expert and per sequence.
 
     The factor goes through a Fraction, so 1.1 · 100 / 10 is 11, not ⌈11.000000000000002⌉ = 12.
     """
@@ -150,23 +178,32 @@ class DispatchPlan:
         return int(self.routed.sum() - self.counts.sum())
 
 
-def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                  capacity: int | None = None) -> DispatchPlan:
-    """Group the T·k token-slots by expert with one stable argsort, dropping each expert's overflow.
+def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None = None,
+                  seq_len: int | None = None) -> DispatchPlan:
+    """Group the T·k token-slots by expert with one stable argsort, dropping each expert's overflow per sequence.
 
-    Slots are numbered r·T + t, so the stable sort keeps them in priority order (choice rank, then token) inside
-    each expert's group, and "over capacity" is simply "position in the group >= capacity".
+    `indices` [tokens, k] are sequences of `seq_len` consecutive tokens (default: one sequence). Slots are numbered
+    r·tokens + t, and sorted stably by (expert, sequence): each expert's slots form one contiguous group, and inside
+    it each sequence's slots stay in priority order (choice rank, then position), so "over capacity" is simply
+    "position in the (expert, sequence) run >= capacity".
+
+    Context parallelism (chunks of each sequence per rank) needs one exchange: all-gather every chunk's slot counts
+    per (choice rank, expert); start each local run after the higher-priority slots held by the other cp ranks.
     """
     num_tokens, k = indices.shape
+    seq_len = seq_len or num_tokens
+    sequences = num_tokens // seq_len
     expert_of_slot = indices.t().reshape(-1)
-    order = torch.argsort(expert_of_slot, stable=True)
+    slots = torch.arange(expert_of_slot.numel(), device=indices.device)
+    run = expert_of_slot * sequences + (slots % num_tokens) // seq_len  # (expert, sequence), expert major
+    order = torch.argsort(run, stable=True)
     routed = torch.bincount(expert_of_slot, minlength=num_experts)
     counts = routed
     if capacity is not None:
-        starts = routed.cumsum(0) - routed
-        position = torch.arange(order.numel(), device=order.device) - starts[expert_of_slot[order]]
+        sizes = torch.bincount(run, minlength=num_experts * sequences)
+        position = slots - (sizes.cumsum(0) - sizes)[run[order]]
         order = order[position < capacity]
-        counts = routed.clamp(max=capacity)
+        counts = sizes.clamp(max=capacity).view(num_experts, sequences).sum(dim=1)
     token = order % num_tokens
     gate = weights.t().reshape(-1)[order]
     return DispatchPlan(token, gate, counts, routed, order)
@@ -226,18 +263,26 @@ class Experts(nn.Module):
 # the layer
 
 
+# What a layer sums over a step's training forwards, after its N routed-slot counts: the logged figures come
+# from sums, which add up over micro-batches, replicas and stages.
+STEP_FIELDS = ("dropped", "balance_sum", "sequences", "z_sum", "tokens")
+
+
 class MoELayer(nn.Module):
     """Routed experts (+ optional shared experts) in place of a block's dense MLP; input and output [..., d_model].
 
-    After each forward: `aux_loss` (scalar tensor, weighted) and `last_stats` (expert_load [N] fraction of routed
-    slots, drop_rate, balance_loss, z_loss as floats). Buffers: `router_bias` [N] (persistent, changed only by
-    `update_router_biases`) and `tokens_per_expert` [N] (routed slots counted by training forwards since the last
-    bias update).
+    The input's second-to-last dimension is the sequence: [B, T, d] holds B sequences of T tokens ([T, d]: one).
+    After each forward: `aux_loss` (scalar tensor, weighted) and `last_stats` (that forward's expert_load [N]
+    fraction of routed slots, drop_rate, balance_loss, z_loss as floats). Buffers: `router_bias` [N] (persistent,
+    changed only by `update_router_biases`), `tokens_per_expert` [N] (routed slots counted by training forwards
+    since the last bias update) and `step_sums` [N + 5] (routed slots and the `STEP_FIELDS`, summed over training
+    forwards since the last `moe_stats`). `layer_index` is the block's index in the model.
     """
 
-    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, backend: str = "auto", layer_index: int = 0) -> None:
         super().__init__()
         moe = cfg.moe
+        self.layer_index = layer_index
         self.n_experts = moe.n_experts
         self.top_k = moe.top_k
         self.router_kind = moe.router
@@ -253,38 +298,44 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(cfg.d_model, moe.n_shared_experts * d_expert) if moe.n_shared_experts else None
         self.register_buffer("router_bias", torch.zeros(moe.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
+        self.register_buffer("step_sums", torch.zeros(moe.n_experts + len(STEP_FIELDS), dtype=torch.float64),
+                             persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.last_stats: dict | None = None
 
     def route(self, x: torch.Tensor) -> Routing:
-        """Routing of rows x [T, d_model], in (at least) fp32: Switch §2.4 ("selective precision") computes the
-        router in float32 because its softmax is where bf16 roundoff destabilizes training."""
+        """Routing of rows x [T, d_model] in (at least) fp32 (Switch §2.4, "selective precision")."""
         logits = F.linear(_at_least_fp32(x), _at_least_fp32(self.router.weight))
         return route(logits, self.top_k, self.router_kind, self.router_bias, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        seq_len = shape[-2]
         x = x.reshape(-1, shape[-1])
         routing = self.route(x)
-        capacity = expert_capacity(x.shape[0], self.n_experts, self.top_k, self.capacity_factor)
-        plan = plan_dispatch(routing.indices, routing.weights, self.n_experts, capacity)
+        capacity = expert_capacity(seq_len, self.n_experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(routing.indices, routing.weights, self.n_experts, capacity, seq_len)
         h = self.experts(x.index_select(0, plan.token), plan.counts)
         h = h * plan.gate.to(h.dtype).unsqueeze(-1)
         y = x.new_zeros(x.shape).index_add(0, plan.token, h)
         if self.shared is not None:
             y = y + self.shared(x)
-        self._record(routing, plan)
+        self._record(routing, plan, seq_len)
         return y.reshape(shape)
 
-    def _record(self, routing: Routing, plan: DispatchPlan) -> None:
-        balance = load_balancing_loss(routing.probs, routing.indices, self.n_experts)
+    def _record(self, routing: Routing, plan: DispatchPlan, seq_len: int) -> None:
+        per_sequence = sequence_balance_losses(routing.probs, routing.indices, self.n_experts, seq_len)
+        balance = per_sequence.mean()
         z = router_z_loss(routing.logits)
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
         routed = plan.routed.detach()
-        slots = routing.indices.numel()
+        tokens, slots = routing.indices.shape[0], routing.indices.numel()
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)
+                dropped = routed.sum() - plan.counts.sum()
+                sums = [*routed, dropped, per_sequence.sum(), per_sequence.numel(), z * tokens, tokens]
+                self.step_sums += torch.stack([torch.as_tensor(v).to(self.step_sums) for v in sums])
         self.last_stats = {
             "expert_load": (routed.float() / slots).cpu(),
             "drop_rate": plan.dropped / slots,
@@ -296,19 +347,22 @@ class MoELayer(nn.Module):
 def moe_forward_naive(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """The reference the sorted dispatch must equal: for each expert, a boolean mask of its token-slots.
 
-    Capacity is applied GShard's way, with a cumulative sum of one-hot choices in (rank, token) order, so this
-    checks `plan_dispatch` by an independent route. Sets no stats.
+    Capacity is applied GShard's way, per sequence: a cumulative sum of one-hot choices over each sequence's slots
+    in (rank, position) order, so this checks `plan_dispatch` by an independent route. Sets no stats.
     """
     shape = x.shape
+    seq_len = shape[-2]
     x = x.reshape(-1, shape[-1])
     routing = layer.route(x)
     num_tokens, k = routing.indices.shape
     keep = torch.ones_like(routing.indices, dtype=torch.bool)
-    capacity = expert_capacity(num_tokens, layer.n_experts, k, layer.capacity_factor)
+    capacity = expert_capacity(seq_len, layer.n_experts, k, layer.capacity_factor)
     if capacity is not None:
-        one_hot = F.one_hot(routing.indices.t().reshape(-1), layer.n_experts)  # [k·T, N], slots in priority order
-        position = (one_hot.cumsum(0) - 1) * one_hot  # how many earlier slots chose the same expert
-        keep = (position.sum(-1) < capacity).view(k, num_tokens).t()
+        sequences = num_tokens // seq_len
+        by_sequence = routing.indices.view(sequences, seq_len, k).transpose(1, 2).reshape(sequences, k * seq_len)
+        one_hot = F.one_hot(by_sequence, layer.n_experts)  # [S, k·T, N], each sequence's slots in priority order
+        position = (one_hot.cumsum(1) - 1) * one_hot  # how many earlier slots of the sequence chose the same expert
+        keep = (position.sum(-1) < capacity).view(sequences, k, seq_len).transpose(1, 2).reshape(num_tokens, k)
     y = torch.zeros_like(x)
     for e, weights in enumerate(layer.experts.per_expert()):
         mask = (routing.indices == e) & keep  # [T, k]
@@ -329,34 +383,59 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def moe_stats(model: nn.Module) -> dict[str, float]:
-    """Balance figures of the last forward, averaged over MoE layers; {} for a dense model or before a forward.
+@torch.no_grad()
+def take_step_sums(model: nn.Module, n_layers: int, n_experts: int) -> torch.Tensor:
+    """[n_layers, N + 5] float64: each MoE layer's `step_sums` in the row of its block (zeros for dense blocks and
+    blocks on other pipeline stages), then reset. Rows from different ranks add up."""
+    device = next(model.parameters()).device  # collectives (NCCL) take tensors on the compute device
+    sums = torch.zeros(n_layers, n_experts + len(STEP_FIELDS), dtype=torch.float64, device=device)
+    for m in moe_layers(model):
+        sums[m.layer_index] = m.step_sums.to(sums)
+        m.step_sums.zero_()
+    return sums
+
+
+def balance_figures(sums: torch.Tensor) -> dict[str, float]:
+    """The logged figures from `take_step_sums` rows (added over ranks), averaged over the layers that routed.
 
     moe_load_imbalance: max_i load_i / mean load (1 = perfectly balanced, N = top-1 collapse), also its maximum
-    over layers; moe_drop_rate: fraction of token-slots dropped for capacity; moe_balance_loss and moe_z_loss:
-    the unweighted losses.
+    over layers; moe_drop_rate: fraction of token-slots dropped for capacity; moe_balance_loss (mean over
+    sequences) and moe_z_loss (mean over tokens): the unweighted losses.
     """
-    stats = [m.last_stats for m in moe_layers(model) if m.last_stats is not None]
-    if not stats:
+    n_experts = sums.shape[1] - len(STEP_FIELDS)
+    rows = sums[sums[:, n_experts + STEP_FIELDS.index("sequences")] > 0]
+    if rows.numel() == 0:
         return {}
-    imbalance = [float(s["expert_load"].max() * s["expert_load"].numel()) for s in stats]
-    mean = lambda key: sum(s[key] for s in stats) / len(stats)
+    routed, extra = rows[:, :n_experts], dict(zip(STEP_FIELDS, rows[:, n_experts:].unbind(1)))
+    slots = routed.sum(dim=1)
+    imbalance = routed.max(dim=1).values * n_experts / slots
     return {
-        "moe_load_imbalance": sum(imbalance) / len(imbalance),
-        "moe_max_load_imbalance": max(imbalance),
-        "moe_drop_rate": mean("drop_rate"),
-        "moe_balance_loss": mean("balance_loss"),
-        "moe_z_loss": mean("z_loss"),
+        "moe_load_imbalance": imbalance.mean().item(),
+        "moe_max_load_imbalance": imbalance.max().item(),
+        "moe_drop_rate": (extra["dropped"] / slots).mean().item(),
+        "moe_balance_loss": (extra["balance_sum"] / extra["sequences"]).mean().item(),
+        "moe_z_loss": (extra["z_sum"] / extra["tokens"]).mean().item(),
     }
+
+
+def moe_stats(model: nn.Module, reduce_fn: Callable[[torch.Tensor], object] | None = None) -> dict[str, float]:
+    """`balance_figures` of the training forwards since the previous call ({} for a dense model). `reduce_fn` sums a
+    tensor in place over the ranks holding other rows or stages (collective: each calls it, MoE layers or not)."""
+    cfg = model.cfg
+    if cfg.moe.n_experts == 0:
+        return {}
+    sums = take_step_sums(model, cfg.n_layers, cfg.moe.n_experts)
+    if reduce_fn is not None:
+        reduce_fn(sums)
+    return balance_figures(sums)
 
 
 @torch.no_grad()
 def update_router_biases(model: nn.Module, reduce_fn: Callable[[torch.Tensor], object] | None = None) -> None:
     """Auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): b_i += γ·sign(mean_load − load_i).
 
-    Call after each optimizer step. load_i is the count of token-slots routed to expert i by every training
-    forward since the previous call; the counts are then reset. reduce_fn, if given, must sum a tensor in place
-    across data-parallel ranks (all layers' counts travel in one tensor). Layers with γ = 0 only reset.
+    After each optimizer step. load_i: slots routed to expert i by the training forwards since the previous call
+    (then reset); reduce_fn sums a tensor in place over the replicas (all layers in one). γ = 0: only a reset.
     """
     layers = moe_layers(model)
     active = [m for m in layers if m.bias_update_speed > 0]

@@ -30,7 +30,7 @@ class Block(nn.Module):
         if cfg.moe.n_experts > 0 and layer_index >= cfg.moe.first_dense_layers:
             from minidist.model.moe import MoELayer
 
-            self.mlp = MoELayer(cfg)
+            self.mlp = MoELayer(cfg, layer_index=layer_index)
         else:
             self.mlp = build_mlp(cfg)
 
