@@ -30,12 +30,20 @@ from minidist.model.config import ModelConfig
 PEAK_FLOPS_BF16: dict[str, float] = {
     # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe.
     "A100": 312e12,
-    # NVIDIA H100 Tensor Core GPU datasheet: H100 SXM BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense.
+    # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 SXM BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.
     "H100-SXM": 989e12,
     # Same datasheet, H100 PCIe: 1,513 TFLOPS with sparsity -> 756 dense.
     "H100-PCIe": 756e12,
-    # NVIDIA H200 datasheet: H200 SXM BF16 1,979 TFLOPS with sparsity (same GH100 compute as H100 SXM) -> 989.
-    "H200": 989e12,
+    # Same datasheet, H100 NVL (per GPU of the pair): 1,671 TFLOPS with sparsity -> 835 dense (lower clocks, 400 W).
+    "H100-NVL": 835e12,
+    # NVIDIA H800 SXM product brief: the H100 SXM's compute (1,979 TFLOPS sparse bf16) with cut NVLink -> 989.
+    "H800": 989e12,
+    # NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM BF16 1,979 TFLOPS with sparsity -> 989 dense.
+    "H200-SXM": 989e12,
+    # Same datasheet, H200 NVL: 1,671 TFLOPS with sparsity -> 835 dense.
+    "H200-NVL": 835e12,
+    # NVIDIA HGX B200 datasheet (2024): FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2.25 dense.
+    "B200": 2250e12,
     # Google TPU v4: 275 TFLOPS bf16 per chip (Jouppi et al. 2023; the peak PaLM's MFU is measured against).
     "TPUv4": 275e12,
 }
@@ -45,7 +53,7 @@ def peak_flops(chip: str) -> float:
     """Dense bf16 peak FLOP/s of one chip from `PEAK_FLOPS_BF16`. A CPU has no such entry: use `measure_peak_flops`."""
     if chip not in PEAK_FLOPS_BF16:
         raise ValueError(f"no peak FLOP/s for {chip!r}; known chips: {sorted(PEAK_FLOPS_BF16)} "
-                         "(for a CPU, measure a matmul with minidist.flops.measure_peak_flops)")
+                         "(for a CPU, measure matmuls with minidist.peak.measure_matmul_peak)")
     return PEAK_FLOPS_BF16[chip]
 
 
@@ -172,6 +180,23 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Fal
     return full / 2 if causal else float(full)
 
 
+def causal_attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the score and value matmuls that a causal kernel really does (flash attention
+    skips the masked tiles): query i meets keys 0..i, so a sequence of T tokens holds T·(T+1)/2 unmasked pairs,
+    (T+1)/2 per token where the full count has T. Exact for a kernel that skips every masked entry; a tiled kernel
+    computes the diagonal tiles whole, a little more (so MFU by this count is, if anything, an under-estimate).
+    """
+    return attention_flops_per_token(cfg, seq_len) * (seq_len + 1) / (2 * seq_len)
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int, active_only: bool = True) -> float:
+    """The model FLOPs per token that MFU counts in minidist: 6·N + the causal attention term
+    (`causal_attention_flops_per_token`). PaLM's `flops_per_token` counts the full T×T attention, the work of a
+    kernel that does not skip the masked half; our attention kernels are causal, and a utilization must not credit
+    work the hardware never did."""
+    return 6.0 * matmul_params(cfg, active_only) + causal_attention_flops_per_token(cfg, seq_len)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False, active_only: bool = True) -> float:
     """Training (forward + backward) FLOPs per token, PaLM's convention: 6·N + 12·L·H·Q·T.
 
@@ -238,18 +263,3 @@ def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 2048, dev
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return 2.0 * size**3 / min(times)
-
-
-def peak_flops_for_device(device: torch.device, dtype: str = "fp32", override: float = 0.0) -> tuple[float, str]:
-    """Peak FLOP/s of one device for MFU, and where the number comes from: `override` if set, the datasheet for a
-    known GPU, else a measured matmul peak (a CPU has no datasheet figure that fits)."""
-    if override:
-        return override, "the peak set by --peak-flops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for chip, key in (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("A100", "A100")):
-            if chip in name:
-                return peak_flops(key), f"datasheet dense bf16 peak of {key} ({name})"
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    peak = measure_peak_flops(torch_dtype, size=1024, device=device)
-    return peak, f"measured {'CPU' if device.type == 'cpu' else device.type} matmul peak (1024^3, {dtype})"

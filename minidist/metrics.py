@@ -86,15 +86,16 @@ def header_lines(cfg: Any, info: dict[str, Any], out: Path) -> list[str]:
     return [
         f"minidist.train: model {cfg.model} ({info['params'] / 1e6:.2f}M parameters, "
         f"{info['params_non_embedding'] / 1e6:.2f}M non-embedding), world {info['world_size']} ({dims}), "
-        f"{info['device']}, {cfg.dtype}, {info['threads']} threads",
+        f"{info['device']}, {info.get('dtype', cfg.dtype)}, {info['threads']} threads",
         f"data: {info['corpus']}",
         f"unigram entropy of the training split: {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): "
         "the loss of a model that knows only byte frequencies",
         f"batch {cfg.batch_size} x {cfg.seq_len} = {info['tokens_per_step']:,} tokens/step in "
         f"{cfg.microbatches} micro-batch(es); {cfg.steps} steps; lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"after {cfg.warmup_steps} warm-up steps",
-        f"mfu vs {info['peak_flops_source']}: {info['peak_flops'] / 1e9:,.1f} GFLOP/s; "
-        f"{info['flops_per_token'] / 1e6:.2f} MFLOP/token; writing {out}/",
+        f"mfu vs {info['peak_flops_source']}: {info['peak_flops'] / 1e9:,.1f} GFLOP/s per device; "
+        f"{info.get('mfu_flops_per_token', info['flops_per_token']) / 1e6:.2f} MFLOP/token (causal attention; "
+        f"PaLM's full-attention count {info['flops_per_token'] / 1e6:.2f}); writing {out}/",
     ]
 
 
@@ -113,7 +114,8 @@ def closing_line(summary: dict[str, Any], entropy: float) -> str:
     val = f", val {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else ""
     return (f"done: {len(summary['steps'])} steps in {fmt_time(summary['elapsed_s'])}; train loss "
             f"{sum(tail) / max(len(tail), 1):.4f} (mean of the last {len(tail)}){val}; unigram entropy "
-            f"{entropy:.4f}; {summary['mean_tokens_per_s']:,.0f} tok/s, MFU {summary['mean_mfu']:.1%}")
+            f"{entropy:.4f}; {summary['mean_tokens_per_s']:,.0f} tok/s, MFU {summary['cumulative_mfu']:.1%} "
+            f"(all steps after the first: their model FLOPs over their time)")
 
 
 def mean_after_first(values: list[float]) -> float:

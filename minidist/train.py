@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import faults, flops, health, metrics, replicas, run_dir, run_state
+from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.distributed import DistEnv, init_distributed, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig, build_model
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
+from minidist.peak import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.plots import plot_losses, read_metrics
 from minidist.topology import Topology
 from minidist.train_config import (
@@ -109,6 +110,10 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = build_model(mcfg, seed=cfg.seed).to(device)  # the same full model on every rank, whatever the layout
+    if cfg.recompute == "full":
+        memory.apply_recompute(model)
+    precision.configure_matmuls(device)
+    autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
     counts = parameter_counts(model)
     options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
                               microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
@@ -118,7 +123,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     parallel = parallelize(model, mcfg, topo, options, make_optimizer)
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
-              val_batches=validation_batches(corpus, cfg, device), autocast=autocast_for(cfg.dtype, device),
+              val_batches=validation_batches(corpus, cfg, device), autocast=autocast,
               out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus, counts)
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
@@ -130,13 +135,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     params = sum(p.numel() for p in model.parameters())  # a tied weight is counted once
     embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
     return {"params": params, "params_non_embedding": params - embedding}
-
-
-def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the context the forward pass runs in: bf16 autocast, or nothing for fp32."""
-    if dtype == "bf16":
-        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def load_data(cfg: TrainConfig) -> Corpus:
@@ -169,14 +167,17 @@ def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches
 def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, Any]:
     """What run.json records: the resolved settings and the numbers every figure of the run is measured against."""
     cfg, mcfg = run.cfg, run.mcfg
-    peak, peak_source = flops.peak_flops_for_device(run.device, cfg.dtype, cfg.peak_flops)
+    dtype = precision.resolve_dtype(cfg.dtype, run.device)
+    micro_tokens = cfg.batch_size // (run.topo.size("dp") * cfg.microbatches) * cfg.seq_len  # one matmul's rows
+    peak, peak_source = peak_for_device(run.device, dtype, cfg.peak_flops, mcfg, micro_tokens)
     return {
         "config": config_to_values(cfg), "model": dataclasses.asdict(mcfg), "world_size": run.env.world_size,
         "parallel": dataclasses.asdict(run.topo.dims), "device": str(run.device), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "corpus": corpus.description, "train_tokens": corpus.train.numel(),
         "val_tokens": corpus.val.numel(), "unigram_entropy_nats": unigram_entropy_nats(corpus.train), **counts,
         "tokens_per_step": cfg.batch_size * cfg.seq_len, "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
-        "peak_flops": peak, "peak_flops_source": peak_source,
+        "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
+        "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
     }
 
 
@@ -215,6 +216,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         run.log(line)
     summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
     clock = metrics.Clock(total=cfg.steps - run.start_step)
+    meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size)
     for step in range(run.start_step, cfg.steps):
         started = time.perf_counter()
         lr = run.schedule.apply(run.parallel.optimizer, step)
@@ -224,10 +226,12 @@ def train_loop(run: Run) -> dict[str, Any]:
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
         faults.inject(cfg.inject_fault, step, run.env.rank, run.parallel.model, params_sharded=cfg.zero == 3)
         seconds = time.perf_counter() - started
-        tokens_per_s = info["tokens_per_step"] / seconds
-        record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "mfu": flops.mfu(tokens_per_s, info["flops_per_token"], info["peak_flops"] * run.env.world_size),
-                  "step_s": seconds}
+        mfu, note = meter.step(info["tokens_per_step"], seconds, count=step > run.start_step)
+        if note:
+            run.log(note)
+        record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "mfu": mfu, "step_s": seconds,
+                  "tokens_per_s": info["tokens_per_step"] / seconds,
+                  "peak_mem_bytes": memory.peak_memory_per_rank(run.device, run.env.world_size)}
         if run.mcfg.moe.n_experts > 0:
             record.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats())
         if run.val_batches and _is_due(step, cfg.eval_every, last):
@@ -243,14 +247,14 @@ def train_loop(run: Run) -> dict[str, Any]:
             run_state.save_run(run, step + 1)
         for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
             summary[key].append(record[name])
-    return finish(run, summary, clock)
+    return finish(run, summary, clock, meter)
 
 
 def _is_due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and (step + 1) % every == 0)
 
 
-def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock) -> dict[str, Any]:
+def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMeter) -> dict[str, Any]:
     """The loss curve, the final figures in run.json, one closing line; returns the summary."""
     info = run.info
     summary.update(
@@ -259,12 +263,13 @@ def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock) -> dict[str,
         final_val_loss=summary["val_losses"][max(summary["val_losses"])] if summary["val_losses"] else None,
         mean_tokens_per_s=metrics.mean_after_first(summary["tokens_per_s"]),
         mean_mfu=metrics.mean_after_first(summary["mfu"]), resumed_from=info.get("resumed_from"),
+        cumulative_mfu=meter.cumulative, final_peak_flops=meter.peak, peak_flops_raised_from=meter.raised_from,
         param_hash=health.replica_hash(run.parallel.full_parameters()),  # replicas of one run must agree on it
     )
     if not run.is_main:
         return summary
     final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu",
-                                     "param_hash")}
+                                     "cumulative_mfu", "final_peak_flops", "peak_flops_raised_from", "param_hash")}
     (run.out / "run.json").write_text(json.dumps({**info, "final": final}, indent=2) + "\n")
     if run.cfg.plot:
         plot_losses(read_metrics(run.out / "metrics.jsonl"), run.out / "loss.png",

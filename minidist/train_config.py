@@ -56,7 +56,8 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     # precision and device
-    dtype: str = "fp32"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
+    recompute: str = "none"  # activation recomputation: none, or full (each block)
     device: str = "auto"
     # parallel layout (dp None: whatever the other dimensions leave of the world size)
     dp: int | None = None
@@ -105,7 +106,10 @@ FLAGS: list[tuple[str, str]] = [
     ("--beta1", "AdamW beta1"),
     ("--beta2", "AdamW beta2"),
     ("--grad-clip", "clip the global gradient norm to this value (0: no clipping; the norm is logged anyway)"),
-    ("--dtype", "fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
+    ("--dtype", "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 autocast (weights, optimizer state and "
+                "gradient reductions stay fp32)"),
+    ("--recompute", "activation recomputation: none, or full (keep each block's input, recompute the block "
+                    "in the backward)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
     ("--tp", "tensor-parallel degree"),
@@ -313,7 +317,8 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
     if mcfg.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-    for key, allowed in (("dtype", ("fp32", "bf16")), ("device", ("auto", "cpu", "cuda")),
+    for key, allowed in (("dtype", ("auto", "fp32", "bf16")), ("recompute", ("none", "full")),
+                         ("device", ("auto", "cpu", "cuda")),
                          ("schedule", ("afab", "1f1b", "interleaved")),
                          ("cp_impl", ("ring", "allgather", "ulysses"))):
         if getattr(cfg, key) not in allowed:

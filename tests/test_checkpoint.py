@@ -11,7 +11,7 @@ from minidist import checkpoint, train
 from minidist.train import ConfigError, TrainConfig
 
 SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
-TIMING = {"tokens_per_s", "mfu", "step_s"}  # the fields of a record that measure the clock, not the math
+TIMING = {"tokens_per_s", "mfu", "step_s", "peak_mem_bytes"}  # fields that measure the machine, not the math
 
 
 def small_config(out, **changes) -> TrainConfig:

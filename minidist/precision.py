@@ -1,0 +1,46 @@
+"""Mixed precision: which dtype a run computes in, and the context its forward passes run in.
+
+`--dtype auto` is bf16 on CUDA (tensor cores: 989 TFLOP/s dense bf16 on an H100 SXM against 67 TFLOP/s fp32 without
+tensor cores, NVIDIA H100 datasheet) and fp32 on a CPU (where bf16 matmuls are emulated or slow on most chips).
+
+Under bf16 only the compute is bf16: `torch.autocast` casts the inputs of matmuls to bf16 and keeps the weights,
+their gradients, the optimizer state (AdamW moments) and every gradient reduction in fp32 ("master weights",
+Micikevicius et al. 2018, Mixed Precision Training, §3.1). The losses are computed in fp32 (`lm_loss` upcasts the
+logits). bf16 has fp32's exponent range, so no loss scaling is needed (Kalamkar et al. 2019).
+
+fp32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation): the same choice as
+`torch.set_float32_matmul_precision("high")`, made only for CUDA devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """'auto' -> 'bf16' on CUDA, 'fp32' elsewhere; 'fp32' and 'bf16' as given."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is unknown; choose one of {DTYPES}")
+    if dtype == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return dtype
+
+
+def configure_matmuls(device: torch.device) -> None:
+    """Allow TF32 for fp32 matmuls and convolutions on CUDA; leave CPU settings alone (a CPU has no TF32)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context the forward pass runs in: bf16 autocast, or nothing for fp32 (dtype resolved)."""
+    if dtype == "bf16":
+        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
