@@ -7,7 +7,6 @@ size, a batch that does not split over the replicas, a model that cannot be cut 
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 
@@ -36,9 +35,7 @@ class DistEnv:
 
 
 # What each dimension needs and the chapter that brings it. A chapter deletes its line when it lands.
-NOT_AVAILABLE_YET = {
-    "ep": ("expert parallelism", "11"),
-}
+NOT_AVAILABLE_YET: dict[str, tuple[str, str]] = {}
 
 
 def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -61,9 +58,10 @@ def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
 
 
 def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """Chapters 08-10: can the model be cut over tp ranks, pp stages and cp ranks this way? One-line ConfigError
-    if not."""
+    """Chapters 08-11: can the model be cut over tp ranks, pp stages, cp ranks and ep ranks this way? One-line
+    ConfigError if not."""
     from minidist.parallel.context import validate_context_parallel
+    from minidist.parallel.expert import validate_expert_parallel
     from minidist.parallel.pipeline import validate_pipeline
     from minidist.parallel.tensor import validate_tensor_parallel
 
@@ -79,6 +77,7 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
     try:
         validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
         validate_context_parallel(mcfg, dims.cp, cfg.cp_impl, cfg.seq_len, dims.tp, cfg.sp)
+        validate_expert_parallel(mcfg, dims.ep, dims.dp * dims.cp)
         if dims.pp > 1:
             validate_pipeline(mcfg, dims.pp, cfg.microbatches, cfg.virtual_stages, cfg.schedule,
                               batch_size=cfg.batch_size // dims.dp)
@@ -86,21 +85,17 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError(str(e)) from None
 
 
-def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
-                     timeout_s: float | None = None) -> tuple[Topology, bool]:
+def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> tuple[Topology, bool]:
     """Join the process group (unless world size 1, or already joined) and slice the rank grid into groups.
 
-    `timeout_s` bounds every collective of every group (the world group when this call creates it, and each group
-    of the grid): a peer that stops answering ends the job instead of hanging it. Returns the topology and
-    whether this call created the default group (the caller destroys it at the end).
+    Returns the topology and whether this call created the default group (the caller destroys it at the end).
     """
     created = False
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if env.world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+                                world_size=env.world_size)
         created = True
-    return Topology(dims, env.rank, env.world_size, timeout=timeout), created
+    return Topology(dims, env.rank, env.world_size), created
 
 
 def pick_device(requested: str, env: DistEnv) -> torch.device:

@@ -230,7 +230,7 @@ def test_fp32_reduction_of_bf16_partial_sums_doubles_the_bytes() -> None:
     ({}, 2, 33, True, r"sequence parallel needs seq_len=33 divisible by tp=2"),
     ({}, 2, 33, False, None),
     (dict(attention="mla"), 2, None, False, None),  # MLA: split by heads
-    (dict(moe=dict(n_experts=4, top_k=2)), 2, None, False, r"MoE layers is not supported yet"),
+    (dict(moe=dict(n_experts=4, top_k=2)), 2, None, False, None),  # MoE: whole on every tp rank (chapter 11)
     ({}, 0, None, False, r"tp must be a positive integer"),
 ])
 def test_bad_layouts_give_one_line_errors(change, tp, seq, sp, match) -> None:

@@ -190,14 +190,17 @@ class GradReduction(Protocol):
 
 class AllReduceGrads:
     """Plain data parallelism: a full `reduce_dtype` bucket per group of parameters, kept for the whole run, and one
-    all-reduce (average) per bucket per step. Afterwards every parameter's `.grad` is its view of the bucket."""
+    all-reduce per bucket per step: the sum over the group, divided by `divisor` (default the group size: the
+    average; expert parallelism sums expert gradients over edp and divides by dp·cp). Afterwards every parameter's
+    `.grad` is its view of the bucket."""
 
     every_microbatch = False
     max_in_flight = None
 
-    def __init__(self, comm: Comm, reduce_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, comm: Comm, reduce_dtype: torch.dtype = torch.float32, divisor: int | None = None) -> None:
         self.comm = comm
         self.reduce_dtype = reduce_dtype
+        self.divisor = divisor or comm.size
 
     def setup(self, bucket: Bucket) -> None:
         bucket.allocate_grad(self.reduce_dtype)
@@ -206,10 +209,10 @@ class AllReduceGrads:
         return bucket.grad
 
     def launch(self, bucket: Bucket) -> Handle:
-        return self.comm.all_reduce(bucket.grad, op="avg", async_op=True)
+        return self.comm.all_reduce(bucket.grad, op="sum", async_op=True)
 
     def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
-        """Nothing: the all-reduce averaged the bucket in place."""
+        bucket.grad.div_(self.divisor)  # the all-reduce summed the bucket in place
 
     def reset(self, bucket: Bucket) -> None:
         bucket.grad.zero_()
@@ -241,18 +244,21 @@ class DataParallel:
     parameter is not fp32; `p.main_grad` is always the fp32 view). The next forward with gradients enabled starts a
     fresh accumulation (gradients and buckets are cleared), so `optimizer.zero_grad()` is optional.
 
-    `reduction` replaces the all-reduce (ZeRO passes a reduce-scatter, and its own `buckets`).
+    `reduction` replaces the all-reduce (ZeRO passes a reduce-scatter, and its own `buckets`). `params`: the
+    (name, parameter) pairs of `model` this object reduces (default: all; expert parallelism reduces its experts
+    over another group).
     """
 
     def __init__(self, model: nn.Module, comm: Comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, reduce_dtype: torch.dtype = torch.float32, timeline: Timeline | None = None,
-                 buckets: list[Bucket] | None = None, reduction: GradReduction | None = None) -> None:
+                 buckets: list[Bucket] | None = None, reduction: GradReduction | None = None,
+                 params: Sequence[tuple[str, nn.Parameter]] | None = None) -> None:
         self.model = model
         self.comm = comm
         self.overlap = overlap
         self.timeline = timeline
         self.reduction = reduction if reduction is not None else AllReduceGrads(comm, reduce_dtype)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in (params if params is not None else model.named_parameters()) if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients")
         element_size = torch.empty((), dtype=reduce_dtype).element_size()

@@ -10,13 +10,15 @@ loop needs out. The loop never asks which dimensions are on.
    each micro-batch's sequence (with its global positions) at the start of a step. It adds no parameters and
    changes only what one forward computes, so it sits with TP among the transformations of the model itself,
    before PP cuts that model into stages (every stage's attention is then context-parallel).
-3. pipeline parallel, chapter 09: keep this rank's blocks (a `StageModule`) and an executor of the schedule.
-   After TP and CP, because a stage keeps the (already transformed) modules it owns.
-4. data parallel and ZeRO, chapter 07: average gradients over the replicas (the dp_cp group: cp ranks hold the
+3. expert parallel, chapter 11: swap every MoE layer's experts for this rank's block of them, with all-to-alls
+   that carry tokens to their experts and back (over the ep group, ranks borrowed from dp_cp). A transformation
+   of the model's modules like TP (which leaves MoE layers whole), so before PP cuts the model into stages.
+4. pipeline parallel, chapter 09: keep this rank's blocks (a `StageModule`) and an executor of the schedule.
+   After TP, CP and EP, because a stage keeps the (already transformed) modules it owns.
+5. data parallel and ZeRO, chapter 07: average gradients over the replicas (the dp_cp group: cp ranks hold the
    same parameters and partial gradients over their own tokens) and shard optimizer state, gradients and
-   parameters. Last, because it buckets and shards whatever parameters this rank holds.
-
-Expert parallel (chapter 11) adds a step (and a group on the grid).
+   parameters. Last, because it buckets and shards whatever parameters this rank holds. With EP, expert weights
+   are reduced (and sharded) over edp instead: Σ_edp / (dp·cp) (`minidist.parallel.expert_grads`).
 
 Loss normalization is global (the parity law): the loss of a step is Σ token losses / (number of counted target
 tokens in the whole global batch), whatever the layout, the micro-batches or the ignored targets. Each rank
@@ -39,6 +41,8 @@ from minidist import health
 from minidist.model import ModelConfig, lm_loss
 from minidist.model import moe as moe_routing
 from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.expert import apply_expert_parallel, is_expert_param, validate_expert_parallel
+from minidist.parallel.expert_grads import ExpertReplicas
 from minidist.parallel.layout import Placement, clip_grad_norm_, placement_of
 from minidist.parallel.zero import ZeroOptimizer
 from minidist.topology import ParallelDims, Topology
@@ -64,7 +68,7 @@ class ParallelOptions:
 @dataclass
 class StepLosses:
     loss: float  # the global batch's mean LM loss (Σ token losses / global count), the same on every rank
-    aux_loss: float = 0.0  # MoE balancing losses, mean over this rank's micro-batches
+    aux_loss: float = 0.0  # MoE balancing losses, mean over micro-batches and replicas: the global batch's
 
 
 def count_targets(batches: Batches) -> torch.Tensor:
@@ -90,14 +94,20 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
 
         validate_context_parallel(mcfg, topo.size("cp"), options.cp_impl, tp=topo.size("tp"))
         context = apply_context_parallel(model, topo.comm("cp"), options.cp_impl)
+    if topo.size("ep") > 1:  # 3. expert parallel
+        validate_expert_parallel(mcfg, topo.size("ep"), topo.size("dp_cp"))
+        model = apply_expert_parallel(model, topo.comm("ep"))
     runner = None
-    if topo.size("pp") > 1:  # 3. pipeline parallel
+    if topo.size("pp") > 1:  # 4. pipeline parallel
         model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn)
     _record_placement(model, topo)
     optimizer, grad_sync = make_optimizer(model), None
-    if options.zero > 0:  # 4. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
+    if topo.size("ep") > 1:  # 5. data parallel in two groups: dense over dp_cp, experts over edp (ZeRO in each)
+        grad_sync = ExpertReplicas(model, optimizer, topo, stage=options.zero)
+        optimizer = grad_sync if options.zero > 0 else optimizer
+    elif options.zero > 0:  # 5. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
         optimizer = grad_sync = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
-    elif topo.size("dp_cp") > 1:  # 4. plain data parallel: averaged gradients, the unsharded optimizer
+    elif topo.size("dp_cp") > 1:  # 5. plain data parallel: averaged gradients, the unsharded optimizer
         grad_sync = DataParallel(model, topo.comm("dp_cp"))
     return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0,
                          grad_sync=grad_sync, context=context)
@@ -118,11 +128,12 @@ def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options
 
 
 def _record_placement(model: nn.Module, topo: Topology) -> None:
-    """Complete every parameter's placement: its pipeline stage and the replica groups that hold the same values."""
-    replicated = ("dp_cp",) if topo.size("dp_cp") > 1 else ()
+    """Complete every parameter's placement: its pipeline stage and the replica groups that hold the same values
+    (dp_cp; edp for a block of experts)."""
     for param in model.parameters():
+        group = "edp" if is_expert_param(param) else "dp_cp"
         param.placement = dataclasses.replace(placement_of(param), stage=topo.coord("pp"),
-                                              replicated_over=replicated)
+                                              replicated_over=(group,) if topo.size(group) > 1 else ())
 
 
 class ParallelModel:
@@ -130,14 +141,17 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
                  loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False,
-                 grad_sync: DataParallel | ZeroOptimizer | None = None, context: object | None = None) -> None:
+                 grad_sync: DataParallel | ZeroOptimizer | ExpertReplicas | None = None,
+                 context: object | None = None) -> None:
         """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest.
         `grad_sync` reduces gradients over the replicas: a DataParallel, or the ZeroOptimizer that is also
-        `optimizer`; None with one replica. `context` (a `ContextParallel`) shards each sequence over cp ranks."""
+        `optimizer`, or with expert parallelism an ExpertReplicas (also `optimizer` under ZeRO); None with one
+        replica. `context` (a `ContextParallel`) shards each sequence over cp ranks."""
         topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
         self.model, self.optimizer, self.topo = model, optimizer, topo
         self.grad_sync = grad_sync
         self.zero = grad_sync if isinstance(grad_sync, ZeroOptimizer) else None
+        self.experts = grad_sync if isinstance(grad_sync, ExpertReplicas) else None  # two replica groups
         self.loss_fn = loss_fn or functools.partial(lm_loss, reduction="sum")  # Σ token losses in fp32
         self.runner = runner  # the pipeline executor, None without pipeline parallelism
         self.with_aux = with_aux
@@ -159,8 +173,9 @@ class ParallelModel:
             loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
         else:
             loss_sum, aux = self._accumulate(batches, positions, autocast, no_sync, loss_scale)
-        loss = self._global_sum(loss_sum.double().to(count.device)) / count
-        return StepLosses(loss.item(), aux)
+        # One all-reduce: the loss sum, and the balancing losses (a per-replica mean: their average is the global)
+        totals = self._global_sum(torch.stack([loss_sum.double().to(count.device), count.new_tensor(aux)]))
+        return StepLosses((totals[0] / count).item(), (totals[1] / replicas).item())
 
     def _accumulate(self, batches: Batches, positions: list | None, autocast: Autocast, no_sync: Callable,
                     loss_scale: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -188,6 +203,8 @@ class ParallelModel:
             self.grad_sync.finish_grad_sync()
         if self.zero is not None:  # this rank's slices of the gradient shards: disjoint over dp_cp too
             return self.zero.grad_pieces(), {**self.zero.norm_groups(), **self.model_groups}
+        if self.experts is not None:  # blocks of experts differ over ep (and ZeRO's slices over dp_cp)
+            return self.experts.grad_pieces(), {**self.experts.norm_groups(), **self.model_groups}
         # whole (averaged) gradients: identical on every replica, so the sum skips dp_cp
         pieces = [(p.grad, placement_of(p)) for p in self.model.parameters() if p.grad is not None]
         return pieces, dict(self.model_groups)
@@ -201,7 +218,7 @@ class ParallelModel:
         """The optimizer step, then the MoE router biases (from expert loads summed over all replicas)."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.grad_sync, DataParallel):
+        if isinstance(self.grad_sync, (DataParallel, ExpertReplicas)):
             self.grad_sync.zero_grad()  # the averaged gradients are views of its buckets
         if self.with_aux:
             reduce = self.replicas.all_reduce if self.replicas is not None else None
@@ -239,7 +256,16 @@ class ParallelModel:
     # -- state ------------------------------------------------------------------------------------------------------
 
     def moe_stats(self) -> dict[str, float]:
-        return moe_routing.moe_stats(self.model) if self.with_aux else {}
+        """The step's MoE balance figures over the global batch: sums added over the replicas and the stages
+        (collective: every rank calls it). tp ranks route the same tokens, so their sums are not added."""
+        if not self.with_aux:
+            return {}
+
+        def reduce(sums: torch.Tensor) -> None:
+            for comm in (self.replicas, self.model_groups.get("pp")):
+                if comm is not None:
+                    comm.all_reduce(sums)
+        return moe_routing.moe_stats(self.model, reduce)
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -250,6 +276,6 @@ class ParallelModel:
 
     def full_parameters(self) -> list[torch.Tensor]:
         """This rank's parameters in model order, whole under ZeRO-3 (gathered from the shards: collective)."""
-        if self.zero is not None:
-            return list(self.zero.full_parameters().values())
+        if self.zero is not None or self.experts is not None:
+            return list((self.zero or self.experts).full_parameters().values())
         return list(self.model.parameters())

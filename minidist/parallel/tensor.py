@@ -18,12 +18,15 @@ every parameter name, so init values, checkpoints and parity compare by name; ea
 value the model was built with. The model then returns this rank's vocabulary shard of the logits; the loss is
 `vocab_parallel_lm_loss`. Replicated parameters whose gradient is a partial sum over the tp ranks (norm weights
 under sequence parallelism, key/value heads replicated because tp > n_kv_heads, MLA's latent down-projections)
-get a gradient hook that sums it: f applied to the parameter itself. MoE layers are not supported yet (one-line
-error; chapter 11 shards experts instead).
+get a gradient hook that sums it: f applied to the parameter itself.
 
-Every parameter records where its slice sits in the full tensor (`param.placement`, a
-`minidist.parallel.layout.Placement` with a "tp" `Split`); the gradient norm and full tensors read that record
-(`minidist.parallel.layout`). The vocabulary split is in `minidist.parallel.vocab`.
+MoE layers stay whole on every tp rank: each routes the same tokens through the same experts, so their gradients
+are identical over tp, with no communication (expert parallelism, chapter 11, splits experts over dp ranks). Under
+sequence parallelism the layer runs on the gathered sequence (capacity and balance loss are per sequence), keeps its
+output slice, and all-gathers the output's gradient: every rank computes the same gradients again.
+
+Every parameter records its slice of the full tensor (`param.placement`: a `layout.Placement` with a "tp" `Split`);
+the gradient norm and full tensors read it. The vocabulary split is in `minidist.parallel.vocab`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from minidist.model.attention import GroupedQueryAttention
 from minidist.model.config import ModelConfig
 from minidist.model.layers import GeluMLP, SwiGLU
 from minidist.model.mla import MultiHeadLatentAttention
+from minidist.model.moe import MoELayer
 from minidist.parallel.layout import Split, narrow, placement_of, set_split
 from minidist.parallel.vocab import VocabParallelEmbedding, vocab_parallel_lm_loss, vocab_range
 
@@ -112,6 +116,32 @@ class _ReduceScatterSequence(torch.autograd.Function):  # Korthikanti's ḡ: red
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.comm), None, None
+
+
+def _slice_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x.narrow(1, comm.rank * (x.shape[1] // comm.size), x.shape[1] // comm.size).contiguous()
+
+
+class _GatherWholeSequence(torch.autograd.Function):  # all-gather; backward: my slice of a gradient all ranks hold
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_seq(grad, ctx.comm), None
+
+
+class _SliceSequence(torch.autograd.Function):  # the converse: my slice of a tensor all ranks hold; all-gather back
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _slice_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.comm), None
 
 
 def copy_to_tp(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -215,9 +245,6 @@ def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = No
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if tp == 1:
         return
-    if cfg.moe.n_experts > 0:
-        raise ValueError(f"tp={tp}: tensor parallelism of MoE layers is not supported yet; use a dense model, or "
-                         "shard experts with expert parallelism (--ep) and tp=1")
     if cfg.n_heads % tp:
         raise ValueError(f"tp={tp} does not divide n_heads={cfg.n_heads} (attention is split by heads); pick tp "
                          f"from {_divisors(cfg.n_heads)}")
@@ -248,6 +275,8 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     sequence_slice   (sequence parallel) the learned position embedding, cut to this rank's positions
     shared_in_region (MLA) replicated inside a region (the latent down-projections and their norms): each rank uses
                      it for its own heads only, so its gradient is summed over tp
+    moe              an MoE layer, whole on every rank: no communication
+    moe_sequence     (sequence parallel) an MoE layer on the gathered sequence, output sliced, its gradient gathered
     """
     plan = {"tok_emb": "vocab_embedding"}
     if sequence_parallel and getattr(model, "pos_emb", None) is not None:
@@ -257,9 +286,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
         if not isinstance(block.attn, (GroupedQueryAttention, MultiHeadLatentAttention)):
             raise ValueError(f"{b}.attn is {type(block.attn).__name__}; tensor parallelism supports "
                              "GroupedQueryAttention and MultiHeadLatentAttention")
-        if not isinstance(block.mlp, (SwiGLU, GeluMLP)):
-            raise ValueError(f"{b}.mlp is {type(block.mlp).__name__}; tensor parallelism supports dense SwiGLU and "
-                             "GELU MLPs only (MoE is not supported yet)")
+        if not isinstance(block.mlp, (SwiGLU, GeluMLP, MoELayer)):
+            raise ValueError(f"{b}.mlp is {type(block.mlp).__name__}; tensor parallelism supports SwiGLU, GELU "
+                             "and MoE MLPs")
         if sequence_parallel:
             plan[f"{b}.attn_norm"] = "sequence_norm"
         if isinstance(block.attn, GroupedQueryAttention):
@@ -276,6 +305,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                      f"{b}.attn.wkv_b": "colwise", f"{b}.attn.wo": "rowwise"}
         if sequence_parallel:
             plan[f"{b}.mlp_norm"] = "sequence_norm"
+        if isinstance(block.mlp, MoELayer):  # whole on every tp rank (the module docstring says why)
+            plan[f"{b}.mlp"] = "moe_sequence" if sequence_parallel else "moe"
+            continue
         plan[f"{b}.mlp"] = "region"
         for name in ("w1", "w3"):
             if hasattr(block.mlp, name):
@@ -339,6 +371,9 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
         elif style in ("sequence_norm", "shared_in_region"):
             for param in module.parameters():
                 _sum_grad_over_tp(param, tp_comm)
+        elif style == "moe_sequence":
+            module.register_forward_pre_hook(lambda m, args: (_GatherWholeSequence.apply(args[0], tp_comm),))
+            module.register_forward_hook(lambda m, args, out: _SliceSequence.apply(out, tp_comm))
         elif style == "sequence_slice":
             _sum_grad_over_tp(module.weight, tp_comm)
             module.register_forward_hook(lambda m, args, out: out.narrow(-2, rank * (out.shape[-2] // tp),
@@ -376,7 +411,9 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
     reduce_bytes = reduce_bytes or compute_bytes
     act = (seq_len, batch, cfg.d_model)
     n_tokens = batch * seq_len
-    exits, entries = 2 * cfg.n_layers, 2 * cfg.n_layers + 1  # entries: attention, MLP, and the lm_head
+    L = cfg.n_layers
+    moe = L - cfg.moe.first_dense_layers if cfg.moe.n_experts else 0  # MoE blocks: whole, no MLP region
+    exits, entries = 2 * L - moe, 2 * L + 1 - moe  # entries: attention, dense MLP, and the lm_head
     if sequence_parallel:
         add("reduce_scatter", act, reduce_bytes, exits)  # exit, forward
         add("all_gather", act, compute_bytes, exits)  # exit, backward
@@ -384,13 +421,13 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
         add("reduce_scatter", act, 4, entries)  # entry, backward
         add("reduce_scatter", act, 4)  # embedding, forward
         add("all_gather", act, 4)  # embedding, backward
+        add("all_gather", act, 4, 2 * moe)  # an MoE layer's input forward, its output's gradient backward
     else:
         add("all_reduce", act, reduce_bytes, exits)  # g, forward
         add("all_reduce", act, 4, entries)  # f, backward
         add("all_reduce", act, 4)  # embedding's g, forward
     add("all_reduce", (n_tokens,), 4)  # loss: max of the logits
     add("all_reduce", (2, n_tokens), 4)  # loss: sum of exponentials and the target logit, together
-    L = cfg.n_layers
     if cfg.attention == "gqa" and cfg.n_kv_heads % tp and tp > 1:  # replicated kv heads: wk, wv (biases) summed
         kv_rows = cfg.n_kv_heads * cfg.head_dim
         add("all_reduce", (kv_rows, cfg.d_model), 4, 2 * L)
@@ -407,7 +444,7 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
         norm_params = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
         add("all_reduce", (cfg.d_model,), 4, (2 * L + 1) * norm_params)
         if cfg.bias:
-            add("all_reduce", (cfg.d_model,), 4, 2 * L)
+            add("all_reduce", (cfg.d_model,), 4, 2 * L - moe)
         if cfg.position == "learned":
             add("all_reduce", (cfg.max_seq_len, cfg.d_model), 4)
     return dict(sorted(counts.items()))

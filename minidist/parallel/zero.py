@@ -84,11 +84,16 @@ class ZeroOptimizer:
     Stages 2 and 3 reduce every micro-batch (`no_sync` changes nothing there): skipping would need a full gradient.
     Stage 3 needs the model called as a whole (its forward hooks gather the parameters); `model.state_dict()` then
     holds empty tensors: the parameters are in `state_dict()` of this object (or `full_parameters()`).
+
+    `params` (default: all the model's) are the (name, parameter) pairs this object shards over `comm`, and the sum
+    of their gradients over the group is divided by `grad_divisor` (default: the group size, the average): expert
+    parallelism shards the expert weights over edp and divides by dp·cp (minidist/parallel/expert_grads.py).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int = 1, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, units: Sequence[nn.Module] | None = None,
-                 overlap: bool = True, prefetch: bool = True, timeline: Timeline | None = None) -> None:
+                 overlap: bool = True, prefetch: bool = True, timeline: Timeline | None = None,
+                 params: Sequence[tuple[str, nn.Parameter]] | None = None, grad_divisor: int | None = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if stage > 0 and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
@@ -99,9 +104,10 @@ class ZeroOptimizer:
         # Adagrad fills its state at construction, with step 0: only a step taken would be lost.
         if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values() if state):
             raise ValueError("the template optimizer has already taken a step; build ZeroOptimizer before the first")
-        self.model, self.comm, self.stage = model, comm, stage
+        self.model, self.comm, self.stage, self.grad_divisor = model, comm, stage, grad_divisor
         self.transient = {"gathered_params": PeakBytes(), "grad_buckets": PeakBytes()}
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in (params if params is not None else model.named_parameters()) if p.requires_grad]
+        self.named = named
         self.placements = {id(p): placement_of(p) for _, p in named}  # before ZeRO-3 empties the parameters
         if stage == 3:  # one bucket per gather unit, in backward order: the blocks last to first, then the root
             modules = [*reversed(list(units if units is not None else default_units(model))), None]
@@ -112,17 +118,18 @@ class ZeroOptimizer:
             self.buckets = assign_buckets(named, bucket_bytes, pad_to=comm.size)
             self.params = FlatParams(self.buckets, comm) if stage > 0 else ParamHome()
         self.grads = DataParallel(model, comm, overlap=overlap, timeline=timeline, buckets=self.buckets,
-                                  reduction=self._reduction())
+                                  reduction=self._reduction(), params=named)
         self.optimizer = optimizer if stage == 0 else self._shard_optimizer(optimizer)
 
     # -- construction ---------------------------------------------------------------------------------------------
 
     def _reduction(self) -> GradReduction:
         if self.stage == 0:
-            return AllReduceGrads(self.comm)
+            return AllReduceGrads(self.comm, divisor=self.grad_divisor)
         if self.stage == 1:
-            return ReduceScatterOnce(self.comm)
-        return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], after_launch=self.params.release)
+            return ReduceScatterOnce(self.comm, divisor=self.grad_divisor)
+        return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], after_launch=self.params.release,
+                                            divisor=self.grad_divisor)
 
     def _owned_slices(self) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
         """(parameter, its slice of this rank's parameter shard, the same slice of the gradient shard), for every
@@ -224,7 +231,7 @@ class ZeroOptimizer:
         """The averaged gradient of every parameter by name, assembled from the shards (before or after clipping)."""
         self.finish_grad_sync()
         if self.stage == 0:
-            return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+            return {n: p.grad.detach().clone() for n, p in self.named if p.grad is not None}
         out = {}
         for bucket in self.buckets:
             full = self.comm.all_gather(bucket.grad_shard)
@@ -235,7 +242,7 @@ class ZeroOptimizer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value by name, in `model.named_parameters()` order (stage 3: from the shards)."""
         gathered = self.params.full()
-        return {n: gathered[n] if n in gathered else p.detach().clone() for n, p in self.model.named_parameters()}
+        return {n: gathered[n] if n in gathered else p.detach().clone() for n, p in self.named}
 
     # -- memory ---------------------------------------------------------------------------------------------------
 
@@ -246,8 +253,8 @@ class ZeroOptimizer:
         is the honest measure: the process's resident memory also holds the interpreter, torch's libraries and
         freed-but-cached pages, and has no per-tensor accounting like torch.cuda.memory_allocated.
         """
-        params = [p.data for p in self.model.parameters()] + self.params.buffers()
-        grads = [p.grad for p in self.model.parameters()]
+        params = [p.data for _, p in self.named] + self.params.buffers()
+        grads = [p.grad for _, p in self.named]
         grads += [b.grad for b in self.buckets] + [b.grad_shard for b in self.buckets]
         optimizer = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(optimizer)}

@@ -25,7 +25,8 @@ from minidist.parallel.zero_bytes import PeakBytes
 
 def _reduce_scatter(comm: Comm, bucket: Bucket) -> Handle:
     # Into a fresh tensor: at stage 1 the shard is a view of the input, which a collective must not overwrite.
-    return comm.reduce_scatter(bucket.grad, out=torch.empty_like(bucket.grad_shard), op="avg", async_op=True)
+    # A sum: the strategy divides it by its divisor on completion (the group size, or dp·cp for expert weights).
+    return comm.reduce_scatter(bucket.grad, out=torch.empty_like(bucket.grad_shard), op="sum", async_op=True)
 
 
 class ReduceScatterOnce(AllReduceGrads):
@@ -41,7 +42,7 @@ class ReduceScatterOnce(AllReduceGrads):
         return _reduce_scatter(self.comm, bucket)
 
     def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
-        bucket.grad_shard.copy_(result)  # the local sum is replaced by the average over ranks
+        bucket.grad_shard.copy_(result.div_(self.divisor))  # the local sum is replaced by the average over ranks
 
     def publish(self, bucket: Bucket) -> None:
         """Nothing: the optimizer reads the shards."""
@@ -58,11 +59,12 @@ class ReduceScatterEveryMicrobatch:
     max_in_flight = 1  # the transient memory: at most one full bucket in flight, plus the one being filled
 
     def __init__(self, comm: Comm, transient: PeakBytes, reduce_dtype: torch.dtype = torch.float32,
-                 after_launch: Callable[[Bucket], None] | None = None) -> None:
+                 after_launch: Callable[[Bucket], None] | None = None, divisor: int | None = None) -> None:
         self.comm = comm
         self.transient = transient
         self.reduce_dtype = reduce_dtype
         self.after_launch = after_launch
+        self.divisor = divisor or comm.size  # the sum over the group is divided by it (default: the average)
 
     def setup(self, bucket: Bucket) -> None:
         start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
@@ -81,7 +83,7 @@ class ReduceScatterEveryMicrobatch:
         return handle
 
     def complete(self, bucket: Bucket, result: torch.Tensor) -> None:
-        bucket.grad_shard.add_(result)  # micro-batches add up in the shard
+        bucket.grad_shard.add_(result.div_(self.divisor))  # micro-batches add up in the shard
         self.transient.sub(bucket.grad.nbytes)
         bucket.grad, bucket.grad_views = None, []
 
