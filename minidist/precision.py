@@ -8,8 +8,8 @@ their gradients, the optimizer state (AdamW moments) and every gradient reductio
 Micikevicius et al. 2018, Mixed Precision Training, §3.1). The losses are computed in fp32 (`lm_loss` upcasts the
 logits). bf16 has fp32's exponent range, so no loss scaling is needed (Kalamkar et al. 2019).
 
-fp32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation): the same choice as
-`torch.set_float32_matmul_precision("high")`, made only for CUDA devices.
+fp32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation), the choice
+`torch.set_float32_matmul_precision("high")` makes, but set on the CUDA backend only: a CPU keeps exact fp32.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 def configure_matmuls(device: torch.device) -> None:
     """Allow TF32 for fp32 matmuls and convolutions on CUDA; leave CPU settings alone (a CPU has no TF32)."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # torch >= 2.9 spells it fp32_precision (mixing it with the older allow_tf32 flags is an error there).
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
 def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
