@@ -127,7 +127,7 @@ def _layout(name: str, router: str, dims: dict, zero: int, microbatches: int, sp
         mine = slice(dp_i * rows, (dp_i + 1) * rows)
         batches = list(zip(inputs[mine].chunk(microbatches), targets[mine].chunk(microbatches)))
         tp_ledger = parallel.model.blocks[-1].attn.wo.comm.ledger if topo.size("tp") > 1 else Ledger()
-        for ledger in [tp_ledger] + [experts[0].comm.ledger] * bool(experts):
+        for ledger in [tp_ledger] + [e.comm.ledger for e in experts[:1]]:
             ledger.reset()
         losses = parallel.forward_backward(batches)
         if step == 0:
