@@ -11,10 +11,14 @@ is registered for the CUDA flash and efficient kernels only; checked when this b
 reference here is the one-process run: same weights (built from the seed), same tokens, `ParallelModel` without
 context parallelism (torch's SDPA kernel).
 
-Time: a step is forward + backward + gradient reduction over the cp ranks + clipping + AdamW. The variants
-alternate step by step after a barrier; a step's time is the slowest rank's; medians are reported. The first
-step's loss of every variant must equal the one-process loss (1e-4 relative) before anything is timed.
-One process gets all the machine's threads, each of cp ranks 1/cp of them: the same hardware either way.
+Time: a step is forward + backward + gradient reduction over the cp ranks + clipping + AdamW. Inside each launch
+of cp ranks the variants and the one-process run (on rank 0 alone, the others waiting at the barrier) alternate
+step by step, so a change in the machine's load hits them alike; a step's time is the slowest rank's; medians are
+reported. The first step's loss of every variant must equal the one-process loss (1e-4 relative) before anything
+is timed.
+Every process runs one thread: giving the one process all the cores made its time swing tenfold when other jobs
+shared the CPU (idle OpenMP threads spinning on oversubscribed cores). So cp ranks use cp cores and the one process
+one core: perfect scaling is time_ratio = 1/cp, and time_ratio · cp is the CPU time spent relative to one process.
 
 Memory: per rank, the bytes of the distinct storages autograd saves during one forward (saved-tensor hooks,
 parameters excluded): the activations held from the forward to the backward, measured by tensor accounting,
@@ -68,9 +72,17 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
 
+def _step(parallel: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    loss = parallel.forward_backward([(inputs, targets)]).loss
+    parallel.clip_grad_norm_(1.0)
+    parallel.step()
+    return loss
+
+
 def rank_run(impls: list[str], cfg_kwargs: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    """On cp = world size ranks: memory and step times of every variant (world 1: the one-process reference, and
-    each variant's core on a single-rank group for memory)."""
+    """On cp = world size ranks: memory of every variant and step times of the variants and, on rank 0 alone while
+    the others wait, of the one-process run, alternating (world 1: memory only, of the one-process run and of each
+    variant's core on a single-rank group)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = get_preset("tiny", **cfg_kwargs)
     gen = torch.Generator().manual_seed(0)
@@ -80,27 +92,30 @@ def rank_run(impls: list[str], cfg_kwargs: dict, batch: int, seq: int, steps: in
     topo = Topology(ParallelDims(cp=world), rank, world)
     runs: dict[str, ParallelModel] = {}
     memory: dict[str, int] = {}
-    for name in (["one process"] if world == 1 else []) + impls:
+    if world == 1:
         model = build_model(cfg, seed=0)
-        if world == 1 and name != "one process":  # the variant's kernel, nothing sharded: memory only
+        memory["one process"] = saved_bytes(model, None, inputs)
+        for name in impls:  # the variant's kernel, nothing sharded
+            model = build_model(cfg, seed=0)
             memory[name] = saved_bytes(model, apply_context_parallel(model, Comm(None), name), inputs)
-            continue
-        parallel = parallelize(model, cfg, topo, ParallelOptions(cp_impl=name), _optimizer)
-        memory[name] = saved_bytes(model, parallel.context, inputs)
-        first = parallel.forward_backward([(inputs, targets)]).loss
+        return {"memory": memory, "loss": want}
+    if rank == 0:  # no process group: ParallelModel's defaults are one process
+        runs["one process"] = ParallelModel(model := build_model(cfg, seed=0), _optimizer(model))
+    for name in impls:
+        model = build_model(cfg, seed=0)
+        runs[name] = parallelize(model, cfg, topo, ParallelOptions(cp_impl=name), _optimizer)
+        memory[name] = saved_bytes(model, runs[name].context, inputs)
+    for name in ["one process", *impls]:
+        first = _step(runs[name], inputs, targets) if name in runs else want
         if abs(first - want) > 1e-4 * abs(want):
             raise AssertionError(f"{name} on {world} ranks: first loss {first} differs from one process's {want}")
-        parallel.clip_grad_norm_(1.0)
-        parallel.step()
-        runs[name] = parallel
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in ["one process", *impls]}
     for i in range(warmup + steps):
-        for name, parallel in runs.items():
+        for name in times:  # alternating: a change in the machine's load hits every entry alike
             dist.barrier()
             start = time.perf_counter()
-            parallel.forward_backward([(inputs, targets)])
-            parallel.clip_grad_norm_(1.0)
-            parallel.step()
+            if name in runs:
+                _step(runs[name], inputs, targets)
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if i >= warmup:
@@ -128,23 +143,26 @@ def main() -> None:
     me = importlib.import_module(Path(__file__).stem)  # run_ranks needs an importable function
     start = time.perf_counter()
     out = {cp: run_ranks(me.rank_run, cp, impls, cfg_kwargs, args.batch, args.seq, args.steps, args.warmup,
-                         timeout=1800)[0] for cp in [1, *cps]}
-    one = statistics.median(out[1]["times"]["one process"])
+                         timeout=1800, threads_per_rank=1)[0] for cp in [1, *cps]}
     print(f"tiny d_model {args.d_model}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), batch "
-          f"{args.batch} x seq {args.seq}, gloo CPU ranks; one process: {1e3 * one:.1f} ms/step, activations "
-          f"{out[1]['memory']['one process'] / 2**20:.1f} MiB; first loss {out[1]['loss']:.4f} everywhere")
-    print(f"{'variant':<11}{'cp':>4}{'median step (ms)':>18}{'vs one process':>16}{'activations/rank (MiB)':>24}"
-          f"{'vs cp 1':>9}")
+          f"{args.batch} x seq {args.seq}, gloo CPU ranks, 1 thread each; one process keeps "
+          f"{out[1]['memory']['one process'] / 2**20:.1f} MiB of activations; first loss {out[1]['loss']:.4f} "
+          "everywhere")
+    print(f"{'variant':<11}{'cp':>4}{'step (ms)':>11}{'one process (ms)':>18}{'ratio':>7}"
+          f"{'activations/rank (MiB)':>24}{'vs cp 1':>9}")
     time_ratio, memory_ratio = {}, {}
     for impl in impls:
         base = out[1]["memory"][impl]
-        print(f"{impl:<11}{1:>4}{'-':>18}{'-':>16}{base / 2**20:>24.2f}{1.0:>9.3f}")
+        print(f"{impl:<11}{1:>4}{'-':>11}{'-':>18}{'-':>7}{base / 2**20:>24.2f}{1.0:>9.3f}")
         for cp in cps:
-            median = statistics.median(out[cp]["times"][impl])
+            mine, one = (statistics.median(out[cp]["times"][name]) for name in (impl, "one process"))
             mem = out[cp]["memory"][impl]
-            print(f"{impl:<11}{cp:>4}{1e3 * median:>18.1f}{median / one:>16.2f}{mem / 2**20:>24.2f}{mem / base:>9.3f}")
-        time_ratio[impl] = round(statistics.median(out[cps[0]]["times"][impl]) / one, 3)
+            print(f"{impl:<11}{cp:>4}{1e3 * mine:>11.1f}{1e3 * one:>18.1f}{mine / one:>7.2f}{mem / 2**20:>24.2f}"
+                  f"{mem / base:>9.3f}")
+            if cp == cps[0]:
+                time_ratio[impl] = round(mine / one, 3)
         memory_ratio[impl] = round(out[2]["memory"][impl] / base, 3) if 2 in out else None
+    one = statistics.median(out[cps[0]]["times"]["one process"])
     print(json.dumps({"time_ratio": time_ratio, "memory_ratio": memory_ratio, "cp": cps[0], "seq": args.seq,
                       "batch": args.batch, "d_model": args.d_model, "layers": args.layers, "one_process_ms":
                       round(1e3 * one, 1), "wall_s": round(time.perf_counter() - start, 1)}))
