@@ -1,31 +1,51 @@
-"""MoE with auxiliary-loss-free router biases under data parallelism: the replicas must stay identical.
+"""MoE through the trainer under data and expert parallelism: every layout logs the one-process run.
 
 Each replica counts the expert loads of its own rows; unless those counts are summed over the data-parallel group
-before the sign update, the router biases (buffers, outside the gradient) of the replicas drift apart.
+before the sign update, the router biases (buffers, outside the gradient) of the replicas drift apart. With
+--ep 2 the experts are split over the two ranks (tokens travel by all-to-all), and the logged losses and balance
+figures (load imbalance, drop rate, balance and z losses: sums over the global batch) must not change.
 """
+
+import json
+from pathlib import Path
 
 import torch.distributed as dist
 
 from minidist.launch import run_ranks
 from minidist.train import parse_config, train
 
+FIGURES = ("loss", "aux_loss", "grad_norm", "moe_load_imbalance", "moe_max_load_imbalance", "moe_drop_rate",
+           "moe_balance_loss", "moe_z_loss")
 
-def _moe_run(out_dir: str) -> dict:
+
+def _moe_run(out_dir: str, ep: int = 1, zero: int = 0) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
+    out = f"{out_dir}/dp{world}_ep{ep}_zero{zero}"
     cfg = parse_config([
         "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.d_ff=128",
-        "--set", "model.moe={n_experts=4, top_k=2, bias_update_speed=0.05, router='sigmoid'}",
-        "--steps", "4", "--batch-size", "8", "--seq-len", "32", "--max-bytes", "200000",
-        "--eval-every", "0", "--ckpt-every", "0", "--no-plot", "--dp", str(world), "--out", f"{out_dir}/dp{world}",
+        "--set", "model.moe={n_experts=4, top_k=2, bias_update_speed=0.05, router='sigmoid', capacity_factor=1.0}",
+        "--steps", "4", "--batch-size", "8", "--seq-len", "32", "--max-bytes", "200000", "--microbatches", "2",
+        "--eval-every", "0", "--ckpt-every", "0", "--no-plot", "--dp", str(world), "--ep", str(ep),
+        "--zero", str(zero), "--out", out,
     ])
     summary = train(cfg)
-    return {"losses": summary["losses"], "param_hash": summary["param_hash"]}
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written metrics.jsonl
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {"records": records, "param_hash": summary["param_hash"]}
 
 
-def test_router_biases_stay_in_sync_across_replicas(tmp_path) -> None:
-    single = _moe_run(str(tmp_path))
-    ranks = run_ranks(_moe_run, 2, str(tmp_path), timeout=240)
-    assert ranks[0]["param_hash"] == ranks[1]["param_hash"], "data-parallel replicas diverged"
-    for got, want in zip(ranks[0]["losses"], single["losses"]):
-        assert abs(got - want) <= 1e-5 * abs(want), (ranks[0]["losses"], single["losses"])
+def _layouts(out_dir: str) -> dict:
+    return {"dp2": _moe_run(out_dir), "dp2 ep2 zero1": _moe_run(out_dir, ep=2, zero=1)}
+
+
+def test_moe_layouts_log_the_one_process_run(tmp_path) -> None:
+    single = _moe_run(str(tmp_path))["records"]
+    assert min(r["moe_drop_rate"] for r in single) > 0  # the capacity factor drops slots
+    ranks = run_ranks(_layouts, 2, str(tmp_path), timeout=300, threads_per_rank=1)
+    assert ranks[0]["dp2"]["param_hash"] == ranks[1]["dp2"]["param_hash"], "data-parallel replicas diverged"
+    for name, got in ranks[0].items():
+        for g, w in zip(got["records"], single, strict=True):
+            bad = {k: (g[k], w[k]) for k in FIGURES if abs(g[k] - w[k]) > 1e-6 + 1e-5 * abs(w[k])}
+            assert not bad, f"{name}, step {w['step']}: {bad}"
