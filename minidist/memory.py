@@ -86,7 +86,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage (a weight's transpose inside F.linear): no bytes.
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_sparse:
+            if isinstance(t, torch.Tensor) and not t.is_sparse and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
         return out
