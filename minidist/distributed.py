@@ -7,7 +7,9 @@ size, a batch that does not split over the replicas, a model that cannot be cut 
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +94,20 @@ def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> 
     """
     created = False
     if env.world_size > 1 and not dist.is_initialized():
+        # device_id binds this rank to its GPU at once (NCCL creates the communicator eagerly, no device guess).
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
+                                device_id=device if device.type == "cuda" else None,
                                 world_size=env.world_size)
         created = True
     return Topology(dims, env.rank, env.world_size), created
+
+
+def barrier_for(device: torch.device) -> Callable[[], None]:
+    """dist.barrier for ranks on `device`: on NCCL it names the rank's GPU (device_ids), which NCCL would otherwise
+    guess from the rank number (wrong when ranks are not laid out on GPUs in order)."""
+    if device.type == "cuda":
+        return functools.partial(dist.barrier, device_ids=[device.index])
+    return dist.barrier
 
 
 def pick_device(requested: str, env: DistEnv) -> torch.device:

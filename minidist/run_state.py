@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from minidist import checkpoint, replicas
+from minidist.distributed import barrier_for
 from minidist.train_config import config_to_values
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
@@ -29,7 +29,7 @@ def save_run(run: Any, steps_done: int) -> None:
     state = {**run.parallel.state_dict(), "schedule": run.schedule.state_dict(),
              "sampler": run.sampler.state_dict(), "rng": rng_state()}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
-    barrier = dist.barrier if run.env.world_size > 1 else None
+    barrier = barrier_for(run.device) if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
                                world_size=run.env.world_size, barrier=barrier)
     if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint

@@ -39,7 +39,7 @@ from torch import nn
 
 from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
-from minidist.distributed import DistEnv, init_distributed, pick_device, resolve_parallel_dims
+from minidist.distributed import DistEnv, barrier_for, init_distributed, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig, build_model
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
@@ -127,7 +127,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
               out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus, counts)
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
-                        barrier=dist.barrier if env.world_size > 1 else None)
+                        barrier=barrier_for(device) if env.world_size > 1 else None)
     return run
 
 
