@@ -17,10 +17,12 @@ from minidist.parallel import ParallelModel
 from minidist.train_config import ConfigError, TrainConfig, check_config
 
 MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
-# bf16 keeps 8 significant bits: one rounding is up to 2^-9 relative. A dp2 run rounds different partial sums
-# (each rank's half batch, then an fp32 average) than one process does, so losses agree to a few bf16 roundings of
-# the logits, not bitwise: 2e-2 absolute on losses near 5 is 0.4%, about one bf16 ulp (2^-5 = 0.031 at 4..8).
-BF16_LOSS_ATOL = 2e-2
+# bf16 keeps 8 significant bits: one rounding is up to 2^-9 = 0.2% relative. A dp2 run rounds different partial
+# sums (each rank's half batch, then an fp32 average) than one process does, so losses agree to bf16 roundings,
+# not bitwise. Measured on this case: 2.4e-4 between dp2 and one process (bf16 vs fp32: 4.4e-4). The tolerance,
+# 2e-3 on losses near 5 (0.04%), is 8x the measured gap and far below what a wrong reduction would give (a sum
+# instead of a mean over 2 ranks doubles the update).
+BF16_LOSS_ATOL = 2e-3
 
 
 def config(out: str, **changes) -> TrainConfig:
