@@ -102,3 +102,17 @@ def test_pyproject_and_environment_list_the_same_packages() -> None:
     for entry in pip_list:
         if _requirement_name(entry) in pinned:
             assert entry.replace(" ", "") == pinned[_requirement_name(entry)], f"{entry} != pyproject's pin"
+
+
+def test_torch_installs_agree_with_the_accepted_range():
+    """pyproject accepts torch >= a minimum (a GPU node keeps its CUDA build); the Makefile and environment.yml
+    install one CPU version first, the same in both, inside that range."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    spec = next(d for d in project["dependencies"] if _requirement_name(d) == "torch").replace(" ", "")
+    assert spec.startswith("torch>="), f"{spec}: pyproject should accept the torch a GPU node already has"
+    minimum = tuple(int(x) for x in spec[len("torch>="):].split("."))
+    env = next(e for e in _environment_pip_list((ROOT / "environment.yml").read_text())
+               if _requirement_name(e) == "torch").replace(" ", "")
+    make_pins = re.findall(r"pip install --quiet torch==([\d.]+)", (ROOT / "Makefile").read_text())
+    assert env.startswith("torch==") and make_pins == [env[len("torch=="):]]
+    assert tuple(int(x) for x in make_pins[0].split(".")) >= minimum
