@@ -51,11 +51,11 @@ from minidist.topology import ParallelDims, Topology
 GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned")  # positions through pos_emb
 MLA_CFG = CFG.replace(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                                                 qk_rope_head_dim=8, v_head_dim=16))
-# Dropless MoE with auxiliary-loss-free router biases: the expert loads of each cp rank's tokens must be summed
-# over dp_cp for the bias update to be the one-process one. The balance loss is a statistic of the tokens a rank
-# holds (under data parallelism too), so it is switched off here: what remains must match exactly.
+# Dropless MoE with the sequence-wise balance loss (its routing counts summed over each sequence's cp ranks), the
+# z-loss, and auxiliary-loss-free router biases (the expert loads of each cp rank's tokens summed over dp_cp).
 MOE_CFG = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                     moe=dict(n_experts=4, top_k=2, router="sigmoid", bias_update_speed=0.05, aux_loss_coef=0.0))
+                     moe=dict(n_experts=4, top_k=2, router="sigmoid", bias_update_speed=0.05, aux_loss_coef=0.05,
+                              z_loss_coef=0.01))
 CONFIGS = {"llama": CFG, "gpt": GPT_CFG, "mla": MLA_CFG, "moe": MOE_CFG}
 
 # label: (config, dims, options, steps)
@@ -125,7 +125,9 @@ def _train(label: str, cfg_name: str, dims: dict, options: dict, steps: int) -> 
                 _full_grads(parallel, topo)  # the tp gathers are collective
         norms.append(parallel.clip_grad_norm_(GRAD_CLIP))
         parallel.step()
+    layers = [i for i, block in enumerate(parallel.model.blocks) if block is not None]  # this pipeline stage's
     return {"losses": losses, "norms": norms, "grads": grads, "traffic": traffic, "batch": rows // microbatches,
+            "layers": layers,
             "microbatches": microbatches, "tp_rank": topo.coord("tp"), "cp_rank": topo.coord("cp")}
 
 
@@ -163,14 +165,15 @@ def reference_for(cfg_name: str, steps: int) -> dict:
 
 
 def _moe_reference(steps: int) -> dict:
-    """parity.reference_run plus the router-bias update after every step (what ParallelModel.step does)."""
+    """parity.reference_run with the balancing losses in the objective and the router-bias update after every
+    step (what ParallelModel does)."""
     model = build_model(MOE_CFG, seed=SEED)
     optimizer = make_optimizer(model.parameters())
     losses, grad_norms, first_grads = [], [], {}
     for step in range(steps):
         inputs, targets = global_batch(step)
         loss = lm_loss(model(inputs), targets)
-        loss.backward()
+        (loss + model.aux_loss()).backward()
         if step == 0:
             first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
@@ -210,11 +213,10 @@ def test_ledger_equals_the_formula(world_size: int, label: str) -> None:
     """The bytes and calls each cp rank sent in the first step are exactly `expected_cp_traffic`."""
     cfg_name, dims, options, _ = LAYOUTS[world_size][label]
     cfg = CONFIGS[cfg_name]
-    layers = cfg.n_layers // dims.get("pp", 1)
     for rank_out in results(world_size):
         run = rank_out[label]
         want = expected_cp_traffic(cfg, options["cp_impl"], run["batch"], SEQ_LEN, dims["cp"], dims.get("tp", 1),
-                                   layers=layers, rank=run["cp_rank"])
+                                   layers=run["layers"], rank=run["cp_rank"])
         want = {key: {k: v * run["microbatches"] for k, v in entry.items()} for key, entry in want.items()}
         assert run["traffic"] == want, f"{label}: ledger {run['traffic']} != formula {want}"
 
@@ -298,6 +300,9 @@ def test_fused_and_plain_block_kernels_agree_in_fp64(one_thread) -> None:
     (dict(n_heads=8, n_kv_heads=2, d_model=64), 4, "ulysses", 32, 2, False, None),  # 4 heads, 1 kv per tp rank
     ({}, 2, "magic", 32, 1, False, r"unknown context-parallel implementation 'magic'"),
     ({}, 0, "ring", 32, 1, False, r"cp must be a positive integer"),
+    (dict(moe=dict(n_experts=4, capacity_factor=1.25)), 2, "ring", 32, 1, False, r"capacity ranks the slots of a "
+     r"whole sequence by position"),
+    (dict(moe=dict(n_experts=4)), 2, "ring", 32, 1, False, None),  # dropless: exact
 ])
 def test_bad_layouts_give_one_line_errors(change, cp, impl, seq, tp, sp, match) -> None:
     cfg = CFG.replace(**change)

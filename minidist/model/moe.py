@@ -105,7 +105,7 @@ def route(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch
 
 
 def sequence_balance_losses(router_probs: torch.Tensor, expert_indices: torch.Tensor, num_experts: int,
-                            seq_len: int | None = None) -> torch.Tensor:
+                            seq_len: int | None = None, reduce_counts: Callable | None = None) -> torch.Tensor:
     """N · Σᵢ fᵢ · Pᵢ of each sequence of `seq_len` consecutive tokens (default: all tokens are one sequence): [S].
 
     Switch's loss (Fedus et al. 2021, eq. 4-6) on the tokens of one sequence, i.e. DeepSeek-V3's sequence-wise
@@ -113,9 +113,7 @@ def sequence_balance_losses(router_probs: torch.Tensor, expert_indices: torch.Te
     decisions that chose i (counted before any capacity dropping), so Σ fᵢ = 1. Pᵢ = mean over its tokens of the
     router probability of i. Only P carries a gradient (f is a count).
 
-    Context parallelism (a sequence split over cp ranks) keeps this exact: all-reduce each sequence's counts over
-    cp (f, no gradient), and let each rank add N · Σᵢ fᵢ · (Σ over its own tokens pᵢ) / T; the cp ranks' terms sum
-    to the sequence's loss, and each is linear in that rank's probabilities.
+    Context parallelism keeps it exact: `reduce_counts` sums each sequence's counts over its cp ranks (chapter 10).
     """
     probs = _at_least_fp32(router_probs.reshape(-1, num_experts))
     tokens = probs.shape[0]
@@ -125,7 +123,8 @@ def sequence_balance_losses(router_probs: torch.Tensor, expert_indices: torch.Te
     # counts[s, i]: slots of sequence s routed to i, one bincount over the pairs (s, i) numbered s·N + i
     pair = indices.reshape(sequences, -1) + num_experts * torch.arange(sequences, device=indices.device)[:, None]
     counts = torch.bincount(pair.flatten(), minlength=sequences * num_experts).view(sequences, num_experts)
-    f = counts.to(probs.dtype) / indices[:seq_len].numel()  # / (T·k)
+    counts = reduce_counts(counts) if reduce_counts is not None else counts  # a sequence split over cp ranks
+    f = counts.to(probs.dtype) / counts.sum(dim=-1, keepdim=True)  # / (T·k)
     p = probs.reshape(sequences, seq_len, num_experts).mean(dim=1)
     return num_experts * (f * p).sum(dim=-1)
 
@@ -302,6 +301,7 @@ class MoELayer(nn.Module):
                              persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.last_stats: dict | None = None
+        self.seq_reduce: Callable | None = None  # context parallelism: sums over the ranks holding each sequence
 
     def route(self, x: torch.Tensor) -> Routing:
         """Routing of rows x [T, d_model] in (at least) fp32 (Switch §2.4, "selective precision")."""
@@ -324,7 +324,7 @@ class MoELayer(nn.Module):
         return y.reshape(shape)
 
     def _record(self, routing: Routing, plan: DispatchPlan, seq_len: int) -> None:
-        per_sequence = sequence_balance_losses(routing.probs, routing.indices, self.n_experts, seq_len)
+        per_sequence = sequence_balance_losses(routing.probs, routing.indices, self.n_experts, seq_len, self.seq_reduce)
         balance = per_sequence.mean()
         z = router_z_loss(routing.logits)
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z

@@ -13,7 +13,11 @@ step that shards micro-batches:
                does the same work whatever the layout, so the causal order needs no reshuffling)
 
 With multi-head latent attention the core receives the expanded per-head keys and values, so those travel, not the
-compressed latent (the notebook counts what sending the latent would save, and what it would cost).
+compressed latent (the notebook counts what sending the latent would save, and what it would cost). Mixture of
+experts routes each token alone, but its sequence-wise balance loss counts a whole sequence's routing decisions:
+each MoE layer gets `seq_reduce`, an all-reduce over cp of those counts (its router probabilities stay local, and
+the gradient average over dp×cp divides their cp-fold share back), which keeps the loss exact. An expert's capacity
+ranks the slots of a whole sequence by position, so MoE with a capacity factor is refused.
 
 Gradients: each cp rank's parameter gradients are partial sums over its tokens, so they are reduced over dp×cp (the
 dp_cp group) exactly as data parallelism reduces over replicas; the loss is normalized by the global token count.
@@ -29,6 +33,7 @@ from torch import nn
 from minidist.comm import Comm
 from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
+from minidist.model.moe import MoELayer
 from minidist.parallel.context.allgather import allgather_attention
 from minidist.parallel.context.blockwise import Work
 from minidist.parallel.context.ring import ring_attention
@@ -57,6 +62,10 @@ def validate_context_parallel(cfg: ModelConfig, cp: int, impl: str = "ring", seq
         raise ValueError(f"unknown context-parallel implementation {impl!r}; choose one of {IMPLS}")
     if cp == 1:
         return
+    if cfg.moe.n_experts > 0 and cfg.moe.capacity_factor is not None:
+        raise ValueError(f"cp={cp} with MoE capacity_factor={cfg.moe.capacity_factor}: an expert's capacity ranks the "
+                         "slots of a whole sequence by position, which no cp rank holds; use capacity_factor None "
+                         "(dropless)")
     if seq_len is not None:
         check_divisible(seq_len, cp, LAYOUT_OF[impl])
         if sequence_parallel and (seq_len // cp) % tp:
@@ -120,6 +129,8 @@ def apply_context_parallel(model: nn.Module, comm: Comm, impl: str = "ring", lay
         if isinstance(getattr(module, "core", None), CausalAttention):
             module.core = ContextParallelAttention(comm, impl, layout)
             swapped += 1
+        if isinstance(module, MoELayer):  # its balance loss counts each sequence's slots on every cp rank
+            module.seq_reduce = comm.all_reduce
     if swapped == 0:
         raise ValueError("context parallelism found no attention core (CausalAttention) to swap in this model")
     return ContextParallel(comm, impl, layout)

@@ -3,6 +3,8 @@ equal `expected_cp_traffic` exactly, and the kernels' score counters `unmasked_s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from minidist.comm import ring_bytes_sent
@@ -19,10 +21,10 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, cp: int, tp: int = 1,
-                        layers: int | None = None, rank: int = 0, element_size: int = 4
+                        layers: Sequence[int] | None = None, rank: int = 0, element_size: int = 4
                         ) -> dict[tuple[str, str], dict[str, int]]:
-    """{(op, "cp"): {"calls", "bytes"}} one cp rank records in one forward + backward of `layers` attention layers
-    (default all), `batch` sequences of `seq_len` tokens, q/k/v of `element_size` bytes.
+    """{(op, "cp"): {"calls", "bytes"}} one cp rank records in one forward + backward of the blocks `layers` (their
+    indices; default all), `batch` sequences of `seq_len` tokens, q/k/v of `element_size` bytes.
 
     Per layer, with |K|, |V| this rank's keys and values (B · H_kv · T/cp · d each):
       ring       send: forward (cp−1)(|K|+|V|); backward (cp−1)(|K|+|V|) + cp(|dK|+|dV|), accumulators fp32 at least
@@ -30,8 +32,11 @@ def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, c
                  sequence's K and V each
       ulysses    all_to_all of q, k, v and the output forward, of their gradients backward: (cp−1)/cp of each
                  local tensor; kv heads fewer than cp are first replicated to cp
+    and per MoE block, forward: an all_reduce of the [batch, n_experts] int64 routing counts (the balance loss).
     """
-    layers = cfg.n_layers if layers is None else layers
+    blocks = range(cfg.n_layers) if layers is None else list(layers)
+    moe_blocks = sum(cfg.moe.n_experts > 0 and i >= cfg.moe.first_dense_layers for i in blocks)
+    layers = len(blocks)
     if cp == 1:
         return {}
     d_qk, d_v = attention_dims(cfg)
@@ -63,6 +68,10 @@ def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, c
             add("all_to_all", 2 * (nbytes - nbytes // cp), 2)  # forward, and its gradient backward
     else:
         raise ValueError(f"unknown context-parallel implementation {impl!r}")
+    if moe_blocks:
+        entry = counts.setdefault(("all_reduce", "cp"), {"calls": 0, "bytes": 0})
+        entry["calls"] += moe_blocks
+        entry["bytes"] += moe_blocks * ring_bytes_sent("all_reduce", (batch, cfg.moe.n_experts), 8, cp, rank)
     return dict(sorted(counts.items()))
 
 
