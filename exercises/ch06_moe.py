@@ -15,8 +15,8 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, n_experts:
     """DeepSeek-V3's sequence-wise balance loss (DeepSeek-V3 Technical Report, §2.1.2, eq. 17-20), unweighted.
 
     probs [B, T, N]: each token's router distribution (rows sum to 1); indices [B, T, k]: its chosen experts.
-    The batch-wise loss of the notebook (Switch, eq. 4-6) is N·Σ_i f_i·P_i over all tokens of the batch. Here
-    f and P are computed *per sequence* b,
+    Switch's batch-wise loss (eq. 4-6) is N·Σ_i f_i·P_i over all tokens of the batch. minidist's MoELayer computes
+    f and P *per sequence* b (notebook 06, §2, says why: the loss must not depend on how a batch is split),
         f_i^b = (slots of sequence b routed to i) / (T·k),      P_i^b = mean over the T tokens of b of probs[..., i],
     and the loss is the mean over sequences of N·Σ_i f_i^b·P_i^b. Return a scalar tensor; the gradient flows
     through P only (f is a count).
@@ -35,9 +35,10 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, n_experts:
 def drop_by_score(indices: torch.Tensor, gates: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
     """Which token-slots survive when each expert keeps the `capacity` slots with the *highest gates*.
 
-    indices, gates [T, k]; returns a bool mask [T, k], True for a kept slot. minidist (like GShard) keeps slots in
-    priority order instead: all first choices before any second choice, earlier tokens first, so a confident
-    second choice can lose its place to a weak first choice. Here, per expert:
+    indices, gates [T, k], the T tokens of one sequence (minidist's capacity is per sequence); returns a bool mask
+    [T, k], True for a kept slot. minidist (like GShard) keeps slots in priority order instead: all first choices
+    before any second choice, earlier tokens first, so a confident second choice can lose its place to a weak
+    first choice. Here, per expert:
       - keep min(routed, capacity) of the slots routed to it;
       - never drop a slot whose gate is higher than one kept;
       - among equal gates, the lower slot number r·T + t wins (so with all gates equal this *is* GShard's rule —
