@@ -146,9 +146,25 @@ def _work_per_rank() -> dict:
     return out
 
 
+def _bf16_ledgers() -> dict:
+    """One forward + backward per variant under bf16 autocast: q, k, v cross the wire in bf16, the ring's gradient
+    accumulators in fp32."""
+    topo = Topology(ParallelDims(cp=dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+    inputs, targets = global_batch(0)
+    out = {}
+    for impl in ("ring", "allgather", "ulysses"):
+        parallel = parallelize(build_model(CFG, seed=SEED), CFG, topo, ParallelOptions(cp_impl=impl),
+                               lambda model: make_optimizer(model.parameters()))
+        parallel.forward_backward([(inputs, targets)], functools.partial(torch.autocast, "cpu", torch.bfloat16))
+        out[impl] = parallel.context.comm.ledger.totals()
+    return out
+
+
 def world_cases(world_size: int) -> dict:
     out = {label: _train(label, *layout) for label, layout in LAYOUTS[world_size].items()}
     out["work"] = _work_per_rank()
+    if world_size == 2:
+        out["bf16"] = _bf16_ledgers()
     return out
 
 
@@ -219,6 +235,19 @@ def test_ledger_equals_the_formula(world_size: int, label: str) -> None:
                                    layers=run["layers"], rank=run["cp_rank"])
         want = {key: {k: v * run["microbatches"] for k, v in entry.items()} for key, entry in want.items()}
         assert run["traffic"] == want, f"{label}: ledger {run['traffic']} != formula {want}"
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather", "ulysses"])
+def test_bf16_ledger_equals_the_formula(impl: str) -> None:
+    """Under bf16 autocast the formula's element size is 2 bytes; the ring's accumulators stay 4."""
+    for rank, rank_out in enumerate(results(2)):
+        want = expected_cp_traffic(CFG, impl, GLOBAL_BATCH, SEQ_LEN, 2, rank=rank, element_size=2)
+        assert rank_out["bf16"][impl] == want, f"{impl} bf16: ledger {rank_out['bf16'][impl]} != formula {want}"
+    fp32 = expected_cp_traffic(CFG, impl, GLOBAL_BATCH, SEQ_LEN, 2, element_size=4)
+    bf16 = expected_cp_traffic(CFG, impl, GLOBAL_BATCH, SEQ_LEN, 2, element_size=2)
+    ratio = sum(e["bytes"] for e in bf16.values()) / sum(e["bytes"] for e in fp32.values())
+    # ring at cp 2: 2 block sends halve, the 2 accumulator hops (fp32) do not: (1 + 2) / (2 + 2)
+    assert ratio == (3 / 4 if impl == "ring" else 1 / 2)
 
 
 def test_causal_work_is_balanced_by_the_zigzag_layout() -> None:
