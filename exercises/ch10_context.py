@@ -56,7 +56,7 @@ def zigzag_unshard_index(seq_len: int, cp: int) -> torch.Tensor:
     """The inverse of the split: an index `inv` (int64, seq_len entries) such that, if `held` is every rank's
     shard laid end to end (rank 0's tokens, then rank 1's, ...), `held[inv]` is the sequence in order.
 
-    Ulysses attention (chapter 10, §6) receives exactly such a `held` sequence after its all-to-all and must put
+    Ulysses attention (chapter 10, §5) receives exactly such a `held` sequence after its all-to-all and must put
     it back into causal order before attending; the all-gather variant could do the same to its gathered keys.
 
     Example (T = 16, cp = 4): held positions are [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]; position

@@ -3,7 +3,7 @@ of a sequence over context-parallel ranks with its inverse.
 
 `pytest tests/exercises -k ch10` grades solutions/ (the default); add `--impl exercises` to grade your own answers
 (`make grade CH=10`). The oracles are the chapter's own: softmax attention over the union of the keys computed
-directly in fp64, the zig-zag table of §4 (T = 16, cp = 4) and the definition of the split (chunks r and
+directly in fp64, the zig-zag table of §3 (T = 16, cp = 4) and the definition of the split (chunks r and
 2·cp − 1 − r of 2·cp), never the reference answers.
 """
 
@@ -93,7 +93,7 @@ def test_ch10_merge_partials_equals_attention_over_the_union(impl: str, case: st
 # The zig-zag split
 # ---------------------------------------------------------------------------------------------------------------
 
-TABLE_T16_CP4 = {0: [0, 1, 14, 15], 1: [2, 3, 12, 13], 2: [4, 5, 10, 11], 3: [6, 7, 8, 9]}  # chapter 10, §4
+TABLE_T16_CP4 = {0: [0, 1, 14, 15], 1: [2, 3, 12, 13], 2: [4, 5, 10, 11], 3: [6, 7, 8, 9]}  # chapter 10, §3
 
 
 def test_ch10_zigzag_shard_index_gives_the_chapter_table(impl: str) -> None:
