@@ -66,7 +66,7 @@ def init_value(name: str, shape: torch.Size | tuple[int, ...], cfg: ModelConfig,
         leaf = name.rsplit(".", 1)[-1]
         return torch.zeros(shape) if leaf == "bias" else torch.ones(shape)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.randn(tuple(shape), generator=generator) * std
+    return torch.randn(tuple(shape), generator=generator).mul_(std)  # in place: one full tensor at a time
 
 
 def init_shard(name: str, full_shape: torch.Size | tuple[int, ...], cfg: ModelConfig, seed: int,
