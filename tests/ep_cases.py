@@ -22,7 +22,7 @@ from minidist.launch import run_ranks
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 from minidist.model import moe as M
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.expert import ExpertParallelExperts, expected_ep_bytes
+from minidist.parallel.expert import ExpertParallelExperts, apply_expert_parallel, expected_ep_bytes
 from minidist.parallel.layout import full_tensor, placement_of
 from minidist.parallel.tensor import expected_tp_traffic
 from minidist.topology import ParallelDims, Topology
@@ -153,11 +153,40 @@ def _layout(name: str, router: str, dims: dict, zero: int, microbatches: int, sp
     return out
 
 
-def run_all(world: int) -> list[dict]:
-    return [_layout(name, *layout) for name, layout in LAYOUTS[world].items()]
+def _starved() -> dict:
+    """A router that sends every slot to rank 0's experts: rank 1 computes nothing, yet it must join every
+    all-to-all of forward and backward (before: its empty expert output left the autograd graph and its peer hung
+    in the backward all-to-all). Outputs and gradients against one device, in float64."""
+    rank = dist.get_rank()
+    topo = Topology(ParallelDims(dp=2, ep=2), rank, 2)
+    layers = []
+    for parallel in (False, True):
+        layer = M.MoELayer(model_config("sigmoid_bias_cf").replace(d_model=16)).double()
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64))
+            layer.router_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # choose experts 0 and 1 (on rank 0)
+        layers.append(apply_expert_parallel(layer, topo.comm("ep")) if parallel else layer)
+    x = torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    out = {}
+    for name, layer, inputs in (("one", layers[0], x.flatten(0, 1)), ("ep", layers[1], x[rank])):
+        inputs = inputs.clone().requires_grad_()
+        y = layer(inputs)
+        y.square().sum().backward()
+        out[name] = {"y": y.detach(), "x_grad": inputs.grad, "router": layer.router.weight.grad,
+                     "experts": {n: p.grad for n, p in layer.experts.named_parameters()}}
+    return out
+
+
+def run_all(world: int) -> dict:
+    out = {"layouts": [_layout(name, *layout) for name, layout in LAYOUTS[world].items()]}
+    if world == 2:
+        out["starved"] = _starved()
+    return out
 
 
 @functools.cache
-def results(world: int) -> list[list[dict]]:
-    """Per rank, per layout results of `run_all(world)` (one launch per world size per test session)."""
+def results(world: int) -> list[dict]:
+    """Per rank: {"layouts": the results of every layout of LAYOUTS[world], in order, "starved": ...}; one launch
+    per world size per test session."""
     return run_ranks(run_all, world, world, timeout=600, threads_per_rank=1)

@@ -32,7 +32,7 @@ def _layouts() -> list[tuple[int, str]]:
 def test_layout_matches_one_device(world: int, name: str) -> None:
     router = ep_cases.LAYOUTS[world][name][0]
     want = ep_cases.reference(router)
-    ranks = [per_rank[list(ep_cases.LAYOUTS[world]).index(name)] for per_rank in ep_cases.results(world)]
+    ranks = [per_rank["layouts"][list(ep_cases.LAYOUTS[world]).index(name)] for per_rank in ep_cases.results(world)]
     for rank, got in enumerate(ranks):
         label = f"{name}, rank {rank}"
         parity.assert_losses_match(got["losses"], want["losses"], label)
@@ -72,7 +72,7 @@ def test_microbatches_change_nothing_on_one_device() -> None:
 def test_dispatch_bytes_equal_the_formula(world: int) -> None:
     checked = 0
     for per_rank in ep_cases.results(world):
-        for got in per_rank:
+        for got in per_rank["layouts"]:
             if "ledger" in got:
                 assert got["ledger"]["measured"] == got["ledger"]["formula"] > 0, (got["name"], got["ledger"])
                 checked += 1
@@ -84,11 +84,23 @@ def test_moe_under_tensor_parallel_sends_what_the_formula_says() -> None:
     of its output (one all-gather each way), and nothing else: the tp ledger of a step equals expected_tp_traffic."""
     checked = 0
     for per_rank in ep_cases.results(4):
-        for got in per_rank:
+        for got in per_rank["layouts"]:
             if "tp_expected" in got:
                 assert got["tp_traffic"] == got["tp_expected"], got["name"]
                 checked += 1
     assert checked == 4
+
+
+def test_a_rank_that_receives_no_rows_still_joins_forward_and_backward() -> None:
+    ranks = [r["starved"] for r in ep_cases.results(2)]
+    one = ranks[0]["one"]  # the same single-device layer on both ranks
+    ep = [r["ep"] for r in ranks]
+    assert ep[1]["experts"]["w1"] is None or ep[1]["experts"]["w1"].abs().sum() == 0  # rank 1 computed nothing
+    torch.testing.assert_close(torch.cat([r["y"] for r in ep]), one["y"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([r["x_grad"] for r in ep]), one["x_grad"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sum(r["router"] for r in ep), one["router"], rtol=1e-10, atol=1e-12)
+    for name, grad in ep[0]["experts"].items():  # rank 0 holds experts 0-1: every slot's gradient is there
+        torch.testing.assert_close(grad, one["experts"][name][:2], rtol=1e-10, atol=1e-12)
 
 
 def _cfg(**changes) -> TrainConfig:

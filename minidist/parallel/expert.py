@@ -38,8 +38,6 @@ whole, so the MoE weights get the same gradient on every tp rank (see `minidist.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -176,7 +174,6 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> nn.Module:
     whole = Split(dim=None, index=0, parts=1, replicas=comm.size)
     for param in model.parameters():
         if "ep" not in placement_of(param).splits:
-            param.placement = dataclasses.replace(placement_of(param))
             set_split(param, "ep", whole, param.shape)
     return model
 
