@@ -49,6 +49,7 @@ LAYOUTS: dict[int, dict[str, tuple]] = {
         "dp2 ep2 cf m2": ("softmax_cf", dict(dp=2, ep=2), 0, 2, False),
         "dp2 ep2 sigmoid bias cf zero1": ("sigmoid_bias_cf", dict(dp=2, ep=2), 1, 1, False),
         "dp2 ep2 zero3 m2": ("softmax_cf", dict(dp=2, ep=2), 3, 2, False),
+        "cp2 ep2 (ep from the cp ranks)": ("softmax", dict(cp=2, ep=2), 0, 1, False),  # cp: dropless only
     },
     4: {
         "dp4 ep2 sigmoid bias cf": ("sigmoid_bias_cf", dict(dp=4, ep=2), 0, 1, False),
