@@ -7,6 +7,7 @@ size, a batch that does not split over the replicas, a model that cannot be cut 
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 from collections.abc import Callable
@@ -87,19 +88,23 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError(str(e)) from None
 
 
-def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device) -> tuple[Topology, bool]:
+def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
+                     timeout_s: float | None = None) -> tuple[Topology, bool]:
     """Join the process group (unless world size 1, or already joined) and slice the rank grid into groups.
 
-    Returns the topology and whether this call created the default group (the caller destroys it at the end).
+    `timeout_s` bounds every collective of every group (the world group when this call creates it, and each group
+    of the grid): a peer that stops answering ends the job instead of hanging it. Returns the topology and
+    whether this call created the default group (the caller destroys it at the end).
     """
     created = False
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if env.world_size > 1 and not dist.is_initialized():
         # device_id binds this rank to its GPU at once (NCCL creates the communicator eagerly, no device guess).
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
                                 device_id=device if device.type == "cuda" else None,
-                                world_size=env.world_size)
+                                world_size=env.world_size, timeout=timeout)
         created = True
-    return Topology(dims, env.rank, env.world_size), created
+    return Topology(dims, env.rank, env.world_size, timeout=timeout), created
 
 
 def barrier_for(device: torch.device) -> Callable[[], None]:
