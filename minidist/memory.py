@@ -8,6 +8,7 @@
   Memory Cost"): the forward keeps only each block's input, the backward runs the block again to rebuild what it
   needs. Activation memory falls from every block's saved tensors to one [B, T, d] input per block, for one more
   forward per step (Korthikanti et al. 2022, §4: "full recomputation").
+* `SavedTensorBytes`: the bytes autograd keeps for the backward (distinct storages), against `memory_model`.
 * `LiveTensorBytes`: tensor accounting on any device: every tensor an operator creates is counted until its
   storage is freed, so `peak` and `current` are exact byte counts of what torch allocated inside the context.
 """
@@ -18,6 +19,7 @@ import functools
 import resource
 import sys
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -92,3 +94,27 @@ class LiveTensorBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not t.is_sparse and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
         return out
+
+
+class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the distinct storages autograd saves for the backward inside the context (`nbytes`),
+    leaving out those of the tensors in `exclude` (parameters, buffers shared by every layer)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> SavedTensorBytes:
+        super().__enter__()
+        return self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._skip:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
