@@ -4,13 +4,12 @@ exactly from its checkpoint; a layout the pieces cannot run fails with a one-lin
 group exists. One launch of 4 ranks runs every layout in-process through `train(cfg)`."""
 
 import functools
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+import trainer_parity
 
 from minidist import checkpoint, train
 from minidist.distributed import resolve_parallel_dims
@@ -41,10 +40,6 @@ def config(out: str, **changes) -> TrainConfig:
     return TrainConfig(**{**settings, **changes})
 
 
-def _records(out: str) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
 def _rank_layouts(root: str) -> dict:
     """The rank function: every layout through `train.train`, then a tp2 x pp2 run resumed from step 2."""
     results = {}
@@ -52,7 +47,8 @@ def _rank_layouts(root: str) -> dict:
         out = str(Path(root) / name.replace(" ", "_"))
         summary = train.train(config(out, **changes))
         dist.barrier()  # rank 0 has written metrics.jsonl
-        results[name] = {"losses": summary["losses"], "records": _records(out), "hash": summary["param_hash"]}
+        results[name] = {"losses": summary["losses"], "records": trainer_parity.records(out),
+                         "hash": summary["param_hash"]}
     out = str(Path(root) / "resume")
     first = train.train(config(out, pp=2, tp=2, ckpt_every=2))
     dist.barrier()
@@ -81,19 +77,7 @@ def results(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The single-process run (no process group) of the same settings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = str(tmp_path_factory.mktemp("single"))
-        train.train(config(out))
-        return _records(out)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _close(got: list[float], want: list[float]) -> bool:
-    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                          rtol=1e-5, atol=1e-6)
+    return trainer_parity.single_process_records(str(tmp_path_factory.mktemp("single")), config)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -104,10 +88,10 @@ def test_layout_logs_the_single_process_run(name, results, reference) -> None:
     assert [r["step"] for r in records] == [r["step"] for r in reference]
     for key in ("loss", "grad_norm"):
         got, want = [r[key] for r in records], [r[key] for r in reference]
-        assert _close(got, want), f"{name}: {key} {got} != single process {want}"
+        assert trainer_parity.close(got, want), f"{name}: {key} {got} != single process {want}"
     got = [r["val_loss"] for r in records if "val_loss" in r]
     want = [r["val_loss"] for r in reference if "val_loss" in r]
-    assert len(want) == 2 and _close(got, want), f"{name}: val_loss {got} != single process {want}"
+    assert len(want) == 2 and trainer_parity.close(got, want), f"{name}: val_loss {got} != single process {want}"
     for r in results:  # every rank returns the same (global) losses
         assert r[name]["losses"] == results[0][name]["losses"]
     assert reference[0]["grad_norm"] > 1.0  # the clipping above was active

@@ -1,0 +1,33 @@
+"""Helpers shared by the trainer-level parity tests: a run's metrics, the one-process reference run, and the
+closeness rule for logged figures. Rank processes import this module too (tests/ is on their sys.path)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from minidist import train
+
+
+def records(out: str) -> list[dict]:
+    """The metrics.jsonl rows a run wrote to `out`."""
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def single_process_records(out: str, config: Callable[[str], train.TrainConfig]) -> list[dict]:
+    """The one-process run (no process group) of `config(out)`, on one thread like each rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.train(config(out))
+        return records(out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                          rtol=1e-5, atol=1e-6)
