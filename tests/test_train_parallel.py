@@ -85,13 +85,7 @@ def test_layout_logs_the_single_process_run(name, results, reference) -> None:
     """Losses (global mean over replicas), gradient norms (over tp shards and pp stages, before clipping; clipping
     is active, so a wrong norm changes the later losses) and validation losses match one process."""
     records = results[0][name]["records"]
-    assert [r["step"] for r in records] == [r["step"] for r in reference]
-    for key in ("loss", "grad_norm"):
-        got, want = [r[key] for r in records], [r[key] for r in reference]
-        assert trainer_parity.close(got, want), f"{name}: {key} {got} != single process {want}"
-    got = [r["val_loss"] for r in records if "val_loss" in r]
-    want = [r["val_loss"] for r in reference if "val_loss" in r]
-    assert len(want) == 2 and trainer_parity.close(got, want), f"{name}: val_loss {got} != single process {want}"
+    trainer_parity.assert_logs_match(name, records, reference)
     for r in results:  # every rank returns the same (global) losses
         assert r[name]["losses"] == results[0][name]["losses"]
     assert reference[0]["grad_norm"] > 1.0  # the clipping above was active

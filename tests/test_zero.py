@@ -241,19 +241,25 @@ def test_single_rank_zero_is_plain_adamw(stage: int, one_thread) -> None:
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_zero3_without_root_parameters(one_thread) -> None:
-    model, twin = _RootlessStack(), _RootlessStack()
-    twin.load_state_dict(model.state_dict())
-    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False), Comm(), 3)
-    optimizer = torch.optim.AdamW(twin.parameters(), lr=0.1, foreach=False)
+def _step_side_by_side(model: torch.nn.Module, zero: ZeroOptimizer, twin: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer, steps: int = 2) -> None:
+    """Train `model` under `zero` and `twin` under the plain `optimizer` on the same inputs."""
     x = torch.randn(5, 8)
-    for _ in range(2):
+    for _ in range(steps):
         model(x).square().sum().backward()
         twin(x).square().sum().backward()
         zero.step()
         zero.zero_grad()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_zero3_without_root_parameters(one_thread) -> None:
+    model, twin = _RootlessStack(), _RootlessStack()
+    twin.load_state_dict(model.state_dict())
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False), Comm(), 3)
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=0.1, foreach=False)
+    _step_side_by_side(model, zero, twin, optimizer)
     assert all(p.numel() == 0 for p in model.parameters())  # sharded and freed between steps
     for name, p in twin.named_parameters():
         torch.testing.assert_close(zero.full_parameters()[name], p.detach(), rtol=1e-6, atol=1e-7, msg=name)
@@ -281,14 +287,7 @@ def test_stage0_takes_any_optimizer(one_thread) -> None:
     twin.load_state_dict(model.state_dict())
     zero = ZeroOptimizer(model, torch.optim.Adafactor(model.parameters(), lr=0.1), Comm(), 0)
     optimizer = torch.optim.Adafactor(twin.parameters(), lr=0.1)
-    x = torch.randn(5, 8)
-    for _ in range(2):
-        model(x).square().sum().backward()
-        twin(x).square().sum().backward()
-        zero.step()
-        zero.zero_grad()
-        optimizer.step()
-        optimizer.zero_grad()
+    _step_side_by_side(model, zero, twin, optimizer)
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
 

@@ -31,3 +31,15 @@ def single_process_records(out: str, config: Callable[[str], train.TrainConfig])
 def close(got: list[float], want: list[float]) -> bool:
     return torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                           rtol=1e-5, atol=1e-6)
+
+
+def assert_logs_match(name: str, records: list[dict], reference: list[dict]) -> None:
+    """A layout's metrics.jsonl against the one-process run's: steps, losses, gradient norms (before clipping; with
+    clipping active a wrong norm also changes the later losses) and the two validation losses."""
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for key in ("loss", "grad_norm"):
+        got, want = [r[key] for r in records], [r[key] for r in reference]
+        assert close(got, want), f"{name}: {key} {got} != single process {want}"
+    got = [r["val_loss"] for r in records if "val_loss" in r]
+    want = [r["val_loss"] for r in reference if "val_loss" in r]
+    assert len(want) == 2 and close(got, want), f"{name}: val_loss {got} != single process {want}"
