@@ -36,6 +36,25 @@ def save_run(run: Any, steps_done: int) -> None:
         checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
 
 
+def end_step(cfg: Any) -> int:
+    """The step index the loop stops before: --steps, or --stop-after N (N completed steps; the LR schedule and the
+    checkpoint cadence stay those of --steps, so a resumed run continues the same curve)."""
+    return cfg.stop_after if cfg.stop_after > 0 else cfg.steps
+
+
+def checkpoint_if_due(run: Any, step: int) -> None:
+    """After step index `step`: checkpoint every --ckpt-every steps and at the last step, and always at --stop-after
+    (a time-limited job must leave a checkpoint to continue from)."""
+    cfg = run.cfg
+    due = cfg.ckpt_every > 0 and (step == cfg.steps - 1 or (step + 1) % cfg.ckpt_every == 0)
+    stopping = step + 1 == cfg.stop_after < cfg.steps
+    if due or stopping:
+        save_run(run, step + 1)
+    if stopping:
+        run.log(f"--stop-after {cfg.stop_after}: stopped with a checkpoint at step {step + 1} of {cfg.steps}; "
+                "continue with --resume")
+
+
 def restore_run(run: Any) -> int | None:
     """With --resume, load the latest checkpoint in OUT and return its step (None: none there, start at 0).
     Deletes nothing: a fresh run reaches here only into an OUT without a run (minidist.run_dir checks it).
@@ -44,6 +63,8 @@ def restore_run(run: Any) -> int | None:
     step = checkpoint.latest_step(root) if run.cfg.resume else None
     if step is None:
         return None
+    if 0 < run.cfg.stop_after <= step:
+        raise ValueError(f"the checkpoint is at step {step}, already at or past --stop-after {run.cfg.stop_after}")
     state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
     saved = meta.get("config")
     check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))

@@ -215,9 +215,9 @@ def train_loop(run: Run) -> dict[str, Any]:
     for line in metrics.header_lines(cfg, info, run.out):
         run.log(line)
     summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
-    clock = metrics.Clock(total=cfg.steps - run.start_step)
+    clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
     meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size)
-    for step in range(run.start_step, cfg.steps):
+    for step in range(run.start_step, run_state.end_step(cfg)):  # --stop-after ends it early
         started = time.perf_counter()
         lr = run.schedule.apply(run.parallel.optimizer, step)
         batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
@@ -243,8 +243,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             run.log(metrics.progress_line(record, cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
             replicas.check_run(run, f"check after step {step}")
-        if cfg.ckpt_every > 0 and _is_due(step, cfg.ckpt_every, last):
-            run_state.save_run(run, step + 1)
+        run_state.checkpoint_if_due(run, step)  # every --ckpt-every steps, at the end and at --stop-after
         for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
             summary[key].append(record[name])
     return finish(run, summary, clock, meter)

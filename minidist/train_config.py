@@ -78,6 +78,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep: int = 3  # checkpoints kept: the newest ones (and always the one `latest` names)
     resume: bool = False
+    stop_after: int = 0  # end cleanly after N completed steps (checkpoint at N), the schedule of --steps
     overwrite: bool = False  # replace the run in OUT (its checkpoints, metrics, run.json, loss.png)
     out: str = "runs/tiny"
     seed: int = 0
@@ -126,6 +127,8 @@ FLAGS: list[tuple[str, str]] = [
     ("--log-every", "progress line every N steps"),
     ("--ckpt-every", "checkpoint every N steps and at the end (0: never)"),
     ("--keep", "keep only the N newest checkpoints (never the one OUT/checkpoints/latest names)"),
+    ("--stop-after", "end cleanly after N completed steps of --steps (its checkpoint is step N, the LR schedule "
+                     "stays that of --steps), exit 0; continue with --resume, in any layout (0: run all --steps)"),
     ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
     ("--seed", "seed of the initialization and of the data order"),
     ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
@@ -304,6 +307,9 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
+    if not 0 <= cfg.stop_after <= cfg.steps:
+        raise ConfigError(f"--stop-after {cfg.stop_after} is outside 0..steps ({cfg.steps}): N completed steps of "
+                          "--steps, then a checkpoint and exit (0: run all steps)")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in OUT and --overwrite replaces it; give one of them")
     if cfg.dp is not None and cfg.dp < 1:
