@@ -11,6 +11,9 @@
 * `SavedTensorBytes`: the bytes autograd keeps for the backward (distinct storages), against `memory_model`.
 * `LiveTensorBytes`: tensor accounting on any device: every tensor an operator creates is counted until its
   storage is freed, so `peak` and `current` are exact byte counts of what torch allocated inside the context.
+* `PeakSavedBytes`: the bytes autograd holds for the backward at their peak: a saved storage counts from the first
+  time it is saved until it is freed. With several micro-batches in flight (a pipeline) this is the activation
+  memory the memory model (`memory_estimate`) predicts.
 """
 
 from __future__ import annotations
@@ -118,3 +121,41 @@ class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
+
+
+class PeakSavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes of the distinct storages saved for the backward that are alive at once: `current` and `peak`.
+
+    A storage counts from the first time autograd saves it until it is freed (the backward that used it dropped it
+    and nothing else holds it). The storages of `params` (read at every save: a ZeRO-3 unit gathered just in time
+    is a parameter too; autograd saves a weight as a plain alias of the parameter, so the check is by storage)
+    and of `exclude` (buffers shared by every layer) are not activations and are skipped."""
+
+    def __init__(self, params: Iterable[torch.Tensor] = (), exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._params = list(params)
+        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, int] = {}
+        self.current = self.peak = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> PeakSavedBytes:
+        super().__enter__()
+        return self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key, ptr = storage._cdata, storage.data_ptr()
+        if key in self._live or ptr in self._skip or storage.device.type == "meta" or not storage.nbytes():
+            return t
+        if any(p.untyped_storage().data_ptr() == ptr for p in self._params):
+            return t
+        size = storage.nbytes()
+        self._live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key, size)
+        return t
+
+    def _free(self, key: int, size: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.current -= size

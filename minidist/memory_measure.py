@@ -1,0 +1,87 @@
+"""What a rank really holds, measured by tensor accounting, to check the memory model (`memory_estimate`) against.
+
+A CPU has no allocator counter like `torch.cuda.memory_allocated`, and its resident set size is dominated by the
+interpreter and torch itself, so the bytes are counted from the tensors:
+
+* model states: the distinct storages of the parameters, the gradients (a data-parallel bucket or a ZeRO shard once,
+  however many views of it there are) and the optimizer's state, after one optimizer step (so the moments exist)
+  and a second forward and backward (so the gradients do);
+* activations: `memory.PeakSavedBytes` around the second step's forward and backward: the most bytes saved for the
+  backward alive at once, over all the micro-batches a schedule keeps in flight.
+
+`measure_layouts` is a rank function for `minidist.launch.run_ranks`: every rank runs every case and returns its
+own figures with its grid coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minidist.memory import PeakSavedBytes, apply_recompute
+from minidist.model import ModelConfig, build_model
+from minidist.optim import build_optimizer
+from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel.zero_bytes import storage_bytes
+from minidist.topology import ParallelDims, Topology
+
+
+def _engines(parallel: Any) -> list[Any]:
+    """The objects that hold gradient buffers, parameter shards and sharded optimizers: a DataParallel or a
+    ZeroOptimizer, or with expert parallelism one of those per replica group."""
+    if parallel.experts is not None:
+        return list(parallel.experts.engines)
+    return [e for e in (parallel.zero, parallel.grad_sync) if e is not None]
+
+
+def measure_model_states(parallel: Any) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and optimizer state (distinct storages; not the optimizer's 0-d
+    step counters, 4 bytes per parameter tensor, which the memory model leaves out)."""
+    params = [p.data for p in parallel.model.parameters()]
+    grads = [p.grad for p in parallel.model.parameters()]
+    optimizers = [parallel.optimizer]
+    for engine in _engines(parallel):
+        home = getattr(engine, "params", None)
+        params += home.buffers() if hasattr(home, "buffers") else []
+        for bucket in getattr(engine, "buckets", []):
+            grads += [getattr(bucket, "grad", None), getattr(bucket, "grad_shard", None)]
+        optimizers.append(getattr(engine, "optimizer", None))
+    states = [v for opt in optimizers if isinstance(getattr(opt, "state", None), dict)
+              for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"]
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+
+
+def measure_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch: int, seed: int = 0) -> list[dict]:
+    """Rank function: for each case {"label", "dims": ParallelDims fields, "options": ParallelOptions fields,
+    "recompute": bool}, build the layout, take one step and measure the next; return this rank's bytes by part
+    (params, grads, optimizer, activations) with its coordinates (pp, tp, dp, cp, ep) per case."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    targets = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    results = []
+    for case in cases:
+        dims = ParallelDims(**case["dims"])
+        options = ParallelOptions(**case.get("options", {}))
+        topo = Topology(dims, dist.get_rank(), dist.get_world_size())
+        model = build_model(cfg, seed=seed)
+        if case.get("recompute"):
+            apply_recompute(model)
+        buffers = [b for b in model.buffers()]
+        parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
+        rows = global_batch // dims.dp
+        mine = slice(topo.coord("dp") * rows, (topo.coord("dp") + 1) * rows)
+        batches = list(zip(inputs[mine].chunk(options.microbatches), targets[mine].chunk(options.microbatches)))
+        parallel.forward_backward(batches)
+        parallel.clip_grad_norm_(0.0)
+        parallel.step()
+        with PeakSavedBytes(params=list(parallel.model.parameters()), exclude=buffers) as saved:
+            parallel.forward_backward(batches)
+        parallel.grad_pieces()  # the gradient reduction finished: shards and buckets hold their final bytes
+        out = measure_model_states(parallel)
+        out["activations"] = saved.peak
+        out.update(label=case["label"], coords={n: topo.coord(n) for n in ("pp", "dp", "cp", "tp", "ep")})
+        results.append(out)
+        dist.barrier()
+    return results

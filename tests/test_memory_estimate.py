@@ -1,0 +1,108 @@
+"""The memory model (minidist.memory_estimate) against bytes measured per rank by tensor accounting
+(minidist.memory_measure: storages of parameters, gradients and optimizer state; saved-tensor hooks for the
+activations at their peak). Tolerance: `TOLERANCE` (5%) per part and rank; the model states come out exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minidist.flops import count_params
+from minidist.launch import run_ranks
+from minidist.memory import PeakSavedBytes
+from minidist.memory_estimate import (
+    BF16_MIXED,
+    FP32,
+    TOLERANCE,
+    Layout,
+    chunks_in_flight,
+    estimate_memory,
+    model_state_bytes,
+    rank_params,
+)
+from minidist.memory_measure import measure_layouts
+from minidist.model import build_model, get_preset, lm_loss
+
+CFG = get_preset("tiny", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+MOE = CFG.replace(moe={"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "d_expert": 64, "first_dense_layers": 1})
+SEQ_LEN, GLOBAL_BATCH = 32, 8
+PARTS = ("params", "grads", "optimizer", "activations")
+
+# (label, model, ParallelDims fields, ParallelOptions fields, recompute) at world size 2: every dimension, ZeRO
+# 1 and 3, sequence parallel, two schedules, the three CP attentions, recomputation, experts.
+CASES = [
+    ("dp2 zero1", CFG, {"dp": 2}, {"zero": 1}, False),
+    ("dp2 zero3 recompute", CFG, {"dp": 2}, {"zero": 3}, True),
+    ("tp2", CFG, {"tp": 2}, {}, False),
+    ("tp2 sp", CFG, {"tp": 2}, {"sequence_parallel": True}, False),
+    ("pp2 1f1b m4", CFG, {"pp": 2}, {"microbatches": 4}, False),
+    ("pp2 interleaved m4 v2", CFG, {"pp": 2}, {"microbatches": 4, "virtual_stages": 2, "schedule": "interleaved"},
+     False),
+    ("cp2 ring", CFG, {"cp": 2}, {}, False),
+    ("cp2 allgather", CFG, {"cp": 2}, {"cp_impl": "allgather"}, False),
+    ("dp2 ep2 moe zero2", MOE, {"dp": 2, "ep": 2}, {"zero": 2}, False),
+]
+
+
+def _layout(dims: dict, options: dict, recompute: bool) -> Layout:
+    return Layout(**dims, zero=options.get("zero", 0), microbatches=options.get("microbatches", 1),
+                  virtual_stages=options.get("virtual_stages", 1), recompute="full" if recompute else "none",
+                  sp=options.get("sequence_parallel", False), schedule=options.get("schedule", "1f1b"),
+                  cp_impl=options.get("cp_impl", "ring"))
+
+
+def _measure(model_cfg, cases) -> list[list[dict]]:
+    specs = [{"label": label, "dims": dims, "options": options, "recompute": rec} for label, _, dims, options, rec
+             in cases]
+    return run_ranks(measure_layouts, 2, model_cfg, specs, SEQ_LEN, GLOBAL_BATCH, timeout=180,
+                     case="memory model layouts")
+
+
+def test_memory_model_matches_measured_bytes_per_rank():
+    measured = {}
+    for model_cfg in (CFG, MOE):
+        mine = [c for c in CASES if c[1] is model_cfg]
+        for rank, results in enumerate(_measure(model_cfg, mine)):
+            for case, got in zip(mine, results):
+                measured[case[0], rank] = (case, got)
+    assert len({label for label, _ in measured}) >= 4
+    for (label, rank), ((_, model_cfg, dims, options, rec), got) in measured.items():
+        layout = _layout(dims, options, rec)
+        micro_batch = GLOBAL_BATCH // layout.dp // layout.microbatches
+        est = estimate_memory(model_cfg, layout, SEQ_LEN, micro_batch, FP32, stage=got["coords"]["pp"])
+        for part in PARTS:
+            want = got[part]
+            assert want > 0, f"{label} rank {rank}: nothing measured for {part}"
+            error = getattr(est, part) / want - 1
+            assert abs(error) <= TOLERANCE, \
+                f"{label} rank {rank}: {part} predicted {getattr(est, part):.0f} B, measured {want} B ({error:+.1%})"
+
+
+def test_mla_block_activations_one_process():
+    cfg = CFG.replace(attention="mla", mla={"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                            "qk_rope_head_dim": 8, "v_head_dim": 16})
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, SEQ_LEN))
+    with PeakSavedBytes(params=list(model.parameters()), exclude=list(model.buffers())) as saved:
+        lm_loss(model(tokens), tokens, reduction="sum").backward()
+    est = estimate_memory(cfg, Layout(), SEQ_LEN, 2)
+    assert abs(est.activations / saved.peak - 1) <= TOLERANCE, (est.activations, saved.peak)
+
+
+def test_model_states_follow_zero_and_precision():
+    n = count_params(CFG)
+    whole = model_state_bytes(CFG, Layout(), BF16_MIXED)
+    assert whole == {"params": 2 * n, "grads": 2 * n, "optimizer": 12 * n}  # ZeRO §3.1: 16 bytes per parameter
+    assert sum(rank_params(CFG, Layout()).values()) == n
+    stage3 = model_state_bytes(CFG, Layout(dp=4, zero=3), BF16_MIXED)
+    assert stage3 == {k: v / 4 for k, v in whole.items()}
+    # tp=2 splits every matrix, not the norms: between half and the whole
+    half = sum(rank_params(CFG, Layout(tp=2)).values())
+    assert n / 2 < half < n / 2 + 9 * CFG.d_model
+
+
+@pytest.mark.parametrize("pp,m,expected", [(4, 8, 4), (4, 2, 2), (2, 4, 2)])
+def test_1f1b_in_flight_is_p_minus_r(pp, m, expected):
+    assert chunks_in_flight("1f1b", pp, m) == expected
+    assert chunks_in_flight("afab", pp, m) == m
+    assert chunks_in_flight("1f1b", pp, m, stage=pp - 1) == 1
