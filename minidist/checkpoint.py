@@ -54,11 +54,13 @@ def rank_file(rank: int) -> str:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any], *,
-                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None) -> Path:
+                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
+                    pieces: list[dict] | None = None) -> Path:
     """Write this rank's `state` for `step` under `root`; rank 0 also writes `meta` and publishes the directory.
 
     Collective when world_size > 1: every rank calls it with its own state, and `barrier` must synchronize them
-    (e.g. `torch.distributed.barrier`). Returns the final directory.
+    (e.g. `torch.distributed.barrier`). Returns the final directory. `pieces`: this rank's entries of the index
+    that lets another layout read the checkpoint (minidist.reshard); meta.json lists them with their file.
     """
     check_plain(state)  # fail at save time, not at the resume that needs it
     barrier = barrier or (lambda: None)
@@ -74,14 +76,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         torch.save(state, f)
         _flush_to_disk(f)
     note = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}  # hashed where it was written
+    if pieces is not None:
+        note["pieces"] = pieces
     _write_durably(tmp / f"rank{rank}.sha256", json.dumps(note).encode())
     barrier()
     if rank == 0:
-        files = {}
+        files, index = {}, []
         for r in range(world_size):
-            files[rank_file(r)] = json.loads((tmp / f"rank{r}.sha256").read_text())
+            note = json.loads((tmp / f"rank{r}.sha256").read_text())
+            index += [{**entry, "file": rank_file(r)} for entry in note.pop("pieces", [])]
+            files[rank_file(r)] = note
             (tmp / f"rank{r}.sha256").unlink()  # meta.json holds them now
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, **meta}
+        if pieces is not None:
+            meta["pieces"] = index
         _write_durably(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same run at the same step (a resumed run redid it): replace it

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from minidist import checkpoint, replicas
+from minidist import checkpoint, replicas, reshard
 from minidist.distributed import barrier_for
 from minidist.train_config import config_to_values
 
@@ -26,12 +26,13 @@ def save_run(run: Any, steps_done: int) -> None:
     """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0. The replicas
     are compared first: a checkpoint must never preserve copies that disagree."""
     replicas.check_run(run, f"check before the checkpoint at step {steps_done}")
+    pieces, index = reshard.pieces_to_save(run.parallel, run.topo)  # what another layout reads
     state = {**run.parallel.state_dict(), "schedule": run.schedule.state_dict(),
-             "sampler": run.sampler.state_dict(), "rng": rng_state()}
+             "sampler": run.sampler.state_dict(), "rng": rng_state(), "pieces": pieces}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
     barrier = barrier_for(run.device) if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
-                               world_size=run.env.world_size, barrier=barrier)
+                               world_size=run.env.world_size, barrier=barrier, pieces=index)
     if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
         checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
 
@@ -65,9 +66,14 @@ def restore_run(run: Any) -> int | None:
         return None
     if 0 < run.cfg.stop_after <= step:
         raise ValueError(f"the checkpoint is at step {step}, already at or past --stop-after {run.cfg.stop_after}")
-    state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
+    meta = checkpoint.load_meta(root, step)
     saved = meta.get("config")
     check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
+    if not same_layout(meta, run):
+        restore_resharded(run, checkpoint_dir(root, step), meta)
+        replicas.check_run(run, f"check after resuming from step {step} in another layout")
+        return step
+    state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
     try:  # plain data by now, but not necessarily the shape this run expects
         run.schedule.load_state_dict(state["schedule"])
         run.sampler.load_state_dict(state["sampler"])
@@ -79,6 +85,29 @@ def restore_run(run: Any) -> int | None:
         raise ValueError(f"{path} does not fit this run: {type(e).__name__} {lines[0]}") from None
     replicas.check_run(run, f"check after resuming from step {step}")  # rank files that disagree, loaded unevenly
     return step
+
+
+def same_layout(meta: dict, run: Any) -> bool:
+    """Whether the checkpoint's rank files are this run's ranks' own (then they are loaded as they are)."""
+    saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    return (meta.get("world_size") == run.env.world_size and meta.get("parallel") == dataclasses.asdict(run.topo.dims)
+            and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages")))
+
+
+def restore_resharded(run: Any, step_dir: Path, meta: dict) -> None:
+    """Another layout wrote the checkpoint: each rank fills what it holds now from the pieces that intersect it
+    (minidist.reshard); the layout-free state (schedule, sampler, random generators) comes from rank 0's file."""
+    reader = reshard.PieceReader(step_dir, meta)
+    first = reader.open(checkpoint.rank_file(0))
+    try:
+        run.schedule.load_state_dict(first["schedule"])
+        run.sampler.load_state_dict(first["sampler"])
+        reshard.load_pieces(run.parallel, run.topo, reader)
+        set_rng_state(first["rng"])
+    except (KeyError, TypeError, RuntimeError) as e:
+        lines = str(e).splitlines() or [""]
+        raise ValueError(f"{step_dir} does not fit this run in its new layout: {type(e).__name__} {lines[0]}"
+                         ) from None
 
 
 def check_same_run(saved: dict, now: dict) -> None:

@@ -182,6 +182,22 @@ class ZeroOptimizer:
             return [(p.grad, self.placements[id(p)]) for b in self.buckets for p in b.params if p.grad is not None]
         return [(grad, self.placements[id(param)]) for param, _, grad in self._owned_slices()]
 
+    def owned_ranges(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """(name, start, stop, key) per parameter this rank updates: its elements [start, stop) of the parameter's
+        flattened (local) tensor, and the tensor the optimizer's state is keyed by (the view of the shard; stage 0:
+        the parameter, whole). What a checkpoint that another layout can read is built from (minidist/reshard.py)."""
+        if self.stage == 0:
+            return [(n, 0, p.numel(), p) for n, p in self.named]
+        keys = {piece.data_ptr(): piece for g in self.optimizer.param_groups for piece in g["params"]}
+        out = []
+        for bucket in self.buckets:
+            start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
+            for name, offset, n in zip(bucket.names, bucket.offsets, bucket.numels):
+                lo, hi = max(offset, start), min(offset + n, stop)
+                if lo < hi:  # the optimizer holds the very view _owned_slices made: found by its address
+                    out.append((name, lo - offset, hi - offset, keys[bucket.param_shard[lo - start:].data_ptr()]))
+        return out
+
     def norm_groups(self) -> dict[str, Comm]:
         """The groups over which `grad_pieces()` are disjoint: dp_cp when sharded; none when every rank holds the
         same reduced gradient (stage 0)."""
@@ -241,8 +257,24 @@ class ZeroOptimizer:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value by name, in `model.named_parameters()` order (stage 3: from the shards)."""
-        gathered = self.params.full()
-        return {n: gathered[n] if n in gathered else p.detach().clone() for n, p in self.named}
+        return {name: value.clone() for name, value in self.iter_full_parameters()}
+
+    @torch.no_grad()
+    def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full value) in `model.named_parameters()` order, one at a time: stage 3 gathers one unit at a
+        time, so a caller that consumes them one by one (a hash, a file) never holds the whole model. Collective
+        at stage 3: every rank of the group iterates to the end."""
+        return self.params.iter_full(self.named)
+
+    def param_pieces(self) -> dict[str, torch.Tensor]:
+        """The part of each parameter this rank updates, by name: its slice of the parameter shards (views; empty
+        for a parameter outside this rank's slices) at stages 1-3, the whole parameter at stage 0."""
+        if self.stage == 0:
+            return {n: p.detach() for n, p in self.named}
+        names = {id(p): n for n, p in self.named}
+        pieces = {n: p.new_empty(0) for n, p in self.named}
+        pieces.update({names[id(param)]: piece for param, piece, _ in self._owned_slices()})
+        return pieces
 
     # -- memory ---------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,163 @@
+"""Resharded resume (minidist.reshard): the run arithmetic on its own, then trainer runs stopped with --stop-after in
+one layout and resumed in another, whose logs must be the uninterrupted one-process run's (rel 1e-5), and whose
+checkpoints, read back whole by `read_full_model`, must be the one-process run's at the same step.
+
+Chains of 6 steps (each arrow a --stop-after checkpoint, then --resume in the next layout):
+
+    A    dp2 --2--> tp2 --4--> pp2
+    B    pp2 --2--> dp2 ZeRO-1 --4--> 1 process
+    C    1 process --2--> dp2 ZeRO-3 --4--> cp2 --5--> 1 process
+    MoE  dp2 ep2 ZeRO-1 --3--> 1 process          (the router biases are buffers, resumed by name)
+
+One launch of 2 ranks runs every multi-process segment; the one-process segments run here."""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import trainer_parity
+
+from minidist import checkpoint, reshard, train
+from minidist.launch import run_ranks
+from minidist.train import ConfigError, TrainConfig
+
+MODEL = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32}
+MOE = {**MODEL, "moe": {"n_experts": 4, "top_k": 2, "d_expert": 32, "bias_update_speed": 0.01}}
+
+
+def config(out: str, **changes) -> TrainConfig:
+    """6 steps of batch 4 x 16 with clipping active, evaluations after steps 3 and 6, no periodic checkpoints."""
+    settings = dict(model="tiny", model_overrides=dict(MODEL), max_bytes=50_000, batch_size=4, seq_len=16,
+                    microbatches=2, steps=6, warmup_steps=1, grad_clip=1.0, eval_every=3, eval_batches=1,
+                    log_every=100, ckpt_every=0, out=out, seed=0, peak_flops=1e12, plot=False, check_every=0)
+    return TrainConfig(**{**settings, **changes})
+
+
+# chain: [(layout or None for one process, stop after), ...]; the last segment runs to the end
+CHAINS = {
+    "A": [(dict(dp=2), 2), (dict(tp=2), 4), (dict(pp=2), 0)],
+    "B": [(dict(pp=2), 2), (dict(dp=2, zero=1), 4), (None, 0)],
+    "C": [(None, 2), (dict(dp=2, zero=3), 4), (dict(cp=2), 5), (None, 0)],
+    "MoE": [(dict(dp=2, ep=2, zero=1, model_overrides=MOE), 3), (dict(model_overrides=MOE), 0)],
+}
+
+
+def segment_config(root: str, chain: str, i: int) -> TrainConfig:
+    layout, stop = CHAINS[chain][i]
+    return config(str(Path(root) / chain), stop_after=stop, resume=i > 0, **(layout or {}))
+
+
+def is_multi(layout: dict | None) -> bool:
+    return layout is not None and any(layout.get(k, 1) > 1 for k in ("dp", "tp", "pp", "cp", "ep"))
+
+
+def _rank_segments(root: str) -> None:
+    """Every multi-process segment of every chain, in order (each chain's are consecutive)."""
+    for chain, segments in CHAINS.items():
+        for i, (layout, _) in enumerate(segments):
+            if is_multi(layout):
+                train.train(segment_config(root, chain, i))
+                dist.barrier()
+
+
+def _one_process(root: str, chain: str, i: int) -> None:
+    trainer_parity.single_process_records(str(Path(root) / chain), lambda out: segment_config(root, chain, i))
+
+
+@functools.lru_cache(maxsize=1)
+def _chains(root: str) -> str:
+    """Each chain's one-process segments before its multi-process ones, one launch for those, then the rest."""
+    first = {c: min(i for i, (layout, _) in enumerate(s) if is_multi(layout)) for c, s in CHAINS.items()}
+    for chain in CHAINS:
+        for i in range(first[chain]):
+            _one_process(root, chain, i)
+    run_ranks(_rank_segments, 2, root, timeout=600, threads_per_rank=1)
+    for chain, segments in CHAINS.items():
+        for i, (layout, _) in enumerate(segments):
+            if i > first[chain] and not is_multi(layout):
+                _one_process(root, chain, i)
+    return root
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory) -> str:
+    return _chains(str(tmp_path_factory.mktemp("chains")))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, str]:
+    """The uninterrupted one-process runs (dense and MoE), with a checkpoint every step."""
+    outs = {}
+    for name, model in (("dense", MODEL), ("MoE", MOE)):
+        out = str(tmp_path_factory.mktemp(name))
+        trainer_parity.single_process_records(out, functools.partial(config, model_overrides=model, ckpt_every=1,
+                                                                      keep=6))
+        outs[name] = out
+    return outs
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_resume_in_another_layout_logs_the_one_process_run(chains, references, chain) -> None:
+    out = Path(chains) / chain
+    reference = references["MoE" if chain == "MoE" else "dense"]
+    trainer_parity.assert_logs_match(chain, trainer_parity.records(str(out)), trainer_parity.records(reference))
+    steps = checkpoint.complete_steps(out / "checkpoints")
+    assert steps == [stop for _, stop in CHAINS[chain] if stop]  # --stop-after left its checkpoint, nothing else
+
+
+def test_one_writer_per_piece(chains) -> None:
+    """Replicas do not write their copies: a dp2 checkpoint holds each element once (read_full_model checks it),
+    in the file of dp rank 0; ZeRO-3's slices are written by both ranks."""
+    for chain, step, writers in (("A", 2, {"rank0.pt"}), ("C", 4, {"rank0.pt", "rank1.pt"})):
+        meta = json.loads((Path(chains) / chain / "checkpoints" / checkpoint.step_dir_name(step) / "meta.json")
+                          .read_text())
+        assert {p["file"] for p in meta["pieces"]} == writers
+        names = [p["name"] for p in meta["pieces"] if p["file"] == "rank0.pt"]
+        assert len(names) == len(set(names))
+
+
+def test_runs_of_blocks_and_zero_ranges() -> None:
+    full = torch.arange(4 * 6 * 2).reshape(4, 6, 2)
+    for offsets, shape in (((0, 0, 0), (4, 6, 2)), ((2, 0, 0), (2, 6, 2)), ((0, 3, 0), (4, 3, 2)),
+                           ((0, 0, 1), (4, 6, 1)), ((1, 2, 0), (2, 2, 2))):
+        block = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+        runs = reshard.block_runs(full.shape, offsets, shape)
+        assert torch.equal(torch.cat([torch.arange(s, s + n) for s, n in runs.tolist()]), block.reshape(-1))
+        assert torch.equal(reshard.expand(reshard.compress(runs)), runs)
+        assert len(reshard.compress(runs)) <= 2  # groups grow with levels, not rows
+        for start, stop in ((0, block.numel()), (1, 5), (3, block.numel() - 2), (7, 8)):  # ZeRO ranges
+            sub = reshard.sub_runs(runs, start, stop)
+            assert torch.equal(torch.cat([torch.arange(s, s + n) for s, n in sub.tolist()]),
+                               block.reshape(-1)[start:stop])
+
+
+def test_copy_runs_fills_the_intersection() -> None:
+    full = torch.arange(48.0)
+    dst_runs = reshard.block_runs((8, 6), (0, 3), (8, 3))  # last-dim split: one run per row
+    src_runs = reshard.sub_runs(reshard.block_runs((8, 6), (2, 0), (6, 6)), 5, 30)  # a ZeRO range of a dim-0 block
+    src = torch.cat([full[s:s + n] for s, n in src_runs.tolist()])
+    dst = torch.full((24,), -1.0)
+    copied = reshard.copy_runs(dst, dst_runs, src, src_runs)
+    want = full.reshape(8, 6)[:, 3:].reshape(-1)
+    held = {i for s, n in src_runs.tolist() for i in range(s, s + n)}
+    mask = torch.tensor([int(v) in held for v in want])
+    assert copied == int(mask.sum()) > 0
+    assert torch.equal(dst[mask], want[mask]) and (dst[~mask] == -1).all()
+
+
+def test_missing_elements_and_bad_stop_after_are_one_line(chains, tmp_path) -> None:
+    step_dir = Path(chains) / "A" / "checkpoints" / checkpoint.step_dir_name(2)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    reader = reshard.PieceReader(step_dir, {**meta, "pieces": meta["pieces"][1:]})  # the first piece lost
+    with pytest.raises(ValueError, match=f"holds no {meta['pieces'][0]['name']}"):
+        reader.fill(meta["pieces"][0]["name"], (1,), torch.tensor([[0, 1]]), torch.zeros(1))
+    with pytest.raises(ValueError, match="not sorted, disjoint"):
+        reshard.PieceReader(step_dir, {**meta, "pieces": [{**meta["pieces"][0], "runs": [[5, 3, 1, 0],
+                                                                                         [0, 3, 1, 0]]}]})
+    with pytest.raises(ConfigError, match="stop-after 7 is outside"):
+        train.train(config(str(tmp_path / "x"), stop_after=7))
+    with pytest.raises(ConfigError, match="already at or past --stop-after 2"):
+        train.train(config(str(Path(chains) / "A"), stop_after=2, resume=True, dp=1))
