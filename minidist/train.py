@@ -5,9 +5,9 @@ Read it top to bottom:
 1. `train(cfg)`: check the settings, the layout and OUT (`minidist.train_config`, `minidist.distributed`,
    `minidist.run_dir`: one-line errors before any process group exists; a run in OUT is never replaced unless
    --overwrite says so), join the process group, `setup`, resume, `train_loop`.
-2. `setup`: the corpus, the full model built from (seed, parameter names) alone, and `parallelize` (in
-   `minidist.parallel`), which applies the parallel dimensions in one order and returns a `ParallelModel`: the
-   only object the loop talks to, whatever the layout.
+2. `setup`: the corpus, the model's structure on the meta device, and `parallelize` (in `minidist.parallel`), which
+   applies the parallel dimensions in one order, fills only this rank's parameters from (seed, parameter names)
+   (`minidist.shard_build`) and returns a `ParallelModel`: the only object the loop talks to, whatever the layout.
 3. `train_step`: forward and backward over the micro-batches, clip, check, step.
 4. `train_loop`: steps, logging (`minidist.metrics`), evaluation, checkpoints (`minidist.run_state`); `finish`
    writes the final figures and the loss curve.
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state
+from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state, shard_build
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.distributed import DistEnv, barrier_for, init_distributed, pick_device, resolve_parallel_dims
-from minidist.model import ModelConfig, build_model
+from minidist.model import ModelConfig
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
 from minidist.peak import MFU_CONVENTION, MfuMeter, peak_for_device
@@ -109,7 +109,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     random.seed(cfg.seed)
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
-    model = build_model(mcfg, seed=cfg.seed).to(device)  # the same full model on every rank, whatever the layout
+    model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     if cfg.recompute == "full":
         memory.apply_recompute(model)
     precision.configure_matmuls(device)
@@ -120,7 +120,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
                               cp_impl=cfg.cp_impl)
     make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                        betas=(cfg.beta1, cfg.beta2))
-    parallel = parallelize(model, mcfg, topo, options, make_optimizer)
+    parallel = parallelize(model, mcfg, topo, options, make_optimizer, shard_build.materializer(mcfg, cfg.seed, device))
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,

@@ -11,7 +11,7 @@ from minidist.memory import LiveTensorBytes
 from minidist.model import Transformer, build_model, get_preset
 from minidist.parallel.layout import narrow, placement_of
 from minidist.parallel.tensor import apply_tensor_parallel
-from minidist.shard_build import ConstructionComm, build_tp_shard
+from minidist.shard_build import ConstructionComm, build_tp_shard, materialize, meta_model
 
 
 def _full_bytes(param: torch.Tensor) -> int:
@@ -62,3 +62,42 @@ def test_shard_equals_sharding_the_built_model(rank):
         assert placement_of(a) == placement_of(b)
     for (name, a), b in zip(reference.named_buffers(), shard.buffers()):
         assert torch.equal(a, b), name
+
+
+_TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
+_VARIANTS = {
+    "llama": {},
+    "gpt": dict(mlp="gelu", norm="layernorm", bias=True, position="learned", tie_embeddings=True),
+    "mla-moe": dict(attention="mla", moe=dict(n_experts=4, top_k=2, n_shared_experts=1, first_dense_layers=1)),
+    "yarn": dict(rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=8)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_meta_model_materialized_equals_build_model(variant):
+    # What the trainer builds on one process: the structure on meta, then every parameter and buffer filled.
+    cfg = get_preset("tiny", **_TINY, **_VARIANTS[variant])
+    reference = build_model(cfg, seed=5)
+    model = materialize(meta_model(cfg), cfg, seed=5)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in reference.named_buffers()]
+    for (name, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    if cfg.tie_embeddings:
+        assert model.lm_head.weight is model.tok_emb.weight
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(tokens), reference(tokens))
+
+
+def test_gradient_hooks_survive_materialization():
+    # Tensor parallel registers gradient hooks on meta parameters (replicated kv heads): they must still run.
+    cfg = get_preset("tiny", **_TINY)
+    model = meta_model(cfg)
+    calls = []
+    model.blocks[0].attn.wk.weight.register_hook(lambda grad: calls.append(grad.shape) or grad * 2)
+    materialize(model, cfg, seed=0)
+    weight = model.blocks[0].attn.wk.weight
+    (weight * 1).sum().backward()
+    assert calls == [weight.shape] and torch.equal(weight.grad, torch.full_like(weight, 2.0))

@@ -77,8 +77,12 @@ def count_targets(batches: Batches) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
-                make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> ParallelModel:
-    """This rank's part of a full model built from (seed, names), wrapped with its optimizer; see the module doc."""
+                make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                materialize: Callable[[nn.Module], nn.Module] | None = None) -> ParallelModel:
+    """This rank's part of a full model built from (seed, names), wrapped with its optimizer; see the module doc.
+
+    With `materialize` (`minidist.shard_build.materializer`), `model` is on the meta device: steps 1-4 transform
+    its structure, then `materialize` allocates and fills only the parameters this rank kept, before step 5."""
     loss_fn: Callable = functools.partial(lm_loss, reduction="sum")
     if topo.size("tp") > 1:  # 1. tensor parallel
         from minidist.parallel.tensor import apply_tensor_parallel
@@ -98,8 +102,11 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
         validate_expert_parallel(mcfg, topo.size("ep"), topo.size("dp_cp"))
         model = apply_expert_parallel(model, topo.comm("ep"))
     runner = None
+    materialize = materialize or (lambda built: built)
     if topo.size("pp") > 1:  # 4. pipeline parallel
-        model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn)
+        model, runner = _apply_pipeline(model, mcfg, topo, options, loss_fn, materialize)
+    else:
+        model = materialize(model)
     _record_placement(model, topo)
     optimizer, grad_sync = make_optimizer(model), None
     if topo.size("ep") > 1:  # 5. data parallel in two groups: dense over dp_cp, experts over edp (ZeRO in each)
@@ -114,10 +121,11 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
 
 
 def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
-                    loss_fn: Callable) -> tuple[nn.Module, object]:
+                    loss_fn: Callable, materialize: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, object]:
     from minidist.parallel.pipeline import PipelineRunner, partition_model
 
     stage = partition_model(model, topo.coord("pp"), topo.size("pp"), options.virtual_stages, loss_fn=loss_fn)
+    stage = materialize(stage)  # only this stage's blocks (embedding, head) get storage; the runner needs it
     shape = None
     if options.sequence_parallel:  # between stages travels this tp rank's slice of the sequence
         tp, d_model = topo.size("tp"), mcfg.d_model
