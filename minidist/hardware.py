@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from minidist.cost_model import alpha_beta_time
 from minidist.flops import PEAK_FLOPS_BF16, peak_flops
 
-__all__ = ["LINKS", "MACHINES", "PEAK_FLOPS_BF16", "Link", "Machine", "collective_time", "compute_time", "link_of"]
+__all__ = ["CHIP_LINKS", "CHIP_MEMORY", "LINKS", "MACHINES", "PEAK_FLOPS_BF16", "Link", "Machine", "collective_time",
+           "compute_time", "link_of"]
 
 GB = 1e9  # vendors' GB are 10^9 bytes
 
@@ -54,6 +55,11 @@ LINKS: dict[str, Link] = {
     # PCIe Gen5 x16: 128 GB/s both directions (H100 datasheet, "PCIe Gen5: 128GB/s"); Gen4 x16: 64 GB/s (A100).
     "pcie5": Link("PCIe Gen5 x16", 128 * GB / 2, 5.7e-6),
     "pcie4": Link("PCIe Gen4 x16", 64 * GB / 2, 5.7e-6),
+    # NVIDIA H800 SXM product brief: "NVLink: 400GB/s" (the H100's NVLink cut to 8 links, both directions summed).
+    # DeepSeek-V3 (2024) §3.2.2 reports about 160 GB/s achieved over it; the model uses the rated figure.
+    "nvlink4-h800": Link("NVLink 4, H800 (8 links, through NVSwitch)", 400 * GB / 2, 3.4e-6),
+    # NVIDIA HGX B200 datasheet (2024): "NVLink: 1.8TB/s" per GPU (NVLink 5, both directions summed).
+    "nvlink5": Link("NVLink 5 (B200, through NVSwitch)", 1800 * GB / 2, 3.4e-6),
 }
 
 
@@ -74,6 +80,22 @@ class Machine:
 MACHINES: dict[str, Machine] = {
     "dgx-h100": Machine("H100-SXM", 8, "nvlink4", "ib-ndr400"),
     "dgx-a100": Machine("A100", 8, "nvlink3", "ib-hdr200"),
+}
+
+# A chip's usual node for the planner (`minidist.plan`): its NVLink inside, one network port per GPU across.
+# PCIe and NVL cards are paired or bridged, not switched: their ranks beyond a pair talk over PCIe.
+CHIP_LINKS: dict[str, tuple[str, str]] = {
+    "A100": ("nvlink3", "ib-hdr200"), "H100-SXM": ("nvlink4", "ib-ndr400"), "H100-PCIe": ("pcie5", "ib-ndr400"),
+    "H100-NVL": ("pcie5", "ib-ndr400"), "H800": ("nvlink4-h800", "ib-ndr400"), "H200-SXM": ("nvlink4", "ib-ndr400"),
+    "H200-NVL": ("pcie5", "ib-ndr400"), "B200": ("nvlink5", "ib-ndr400"),
+}
+
+GIB = 2**30
+# Memory of one chip in bytes (datasheets: A100 80GB, H100 SXM/PCIe 80GB, H100 NVL 94GB, H800 80GB, H200 141GB,
+# B200 180GB per GPU of an HGX B200). HBM is sized in binary units (an "80GB" H100 reports 81,559 MiB).
+CHIP_MEMORY: dict[str, float] = {
+    "A100": 80 * GIB, "H100-SXM": 80 * GIB, "H100-PCIe": 80 * GIB, "H100-NVL": 94 * GIB, "H800": 80 * GIB,
+    "H200-SXM": 141e9, "H200-NVL": 141e9, "B200": 180e9,
 }
 
 

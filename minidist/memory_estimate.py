@@ -213,7 +213,10 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     p = precision.activation
     tokens = micro_batch * seq_len // layout.cp
     layers = stage_layers(cfg, layout.pp, layout.virtual_stages, stage)
-    per_layer = [layer_activation_bytes(cfg, i, tokens, layout, p) for i in layers]
+    # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
+    kinds = {_is_moe_layer(cfg, i): i for i in layers}
+    per_kind = {moe: layer_activation_bytes(cfg, i, tokens, layout, p) for moe, i in kinds.items()}
+    per_layer = [per_kind[_is_moe_layer(cfg, i)] for i in layers]
     sp = layout.tp if layout.sp and layout.tp > 1 else 1
     if layout.recompute == "full":
         kept = len(layers) * precision.residual * tokens * cfg.d_model / sp  # each block's input

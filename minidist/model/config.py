@@ -229,11 +229,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Llama 3 herd paper (Grattafiori et al. 2024), Table 3.
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                       max_seq_len=8192, rope_base=500000.0, norm_eps=1e-5),
+    # Same paper, Table 3 (405B): 126 layers, d 16,384, FFN 53,248, 128 heads, 8 KV heads.
+    "llama3-405b": dict(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, d_ff=53248,
+                        max_seq_len=8192, rope_base=500000.0, norm_eps=1e-5),
+}
+
+
+# Mixture-of-experts shapes with latent attention: kept apart from PRESETS, whose dense GQA shapes chapter 01 counts
+# with its own closed formula; `get_preset` finds both.
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" §4.2 and the released config: 61 layers (the first 3 dense),
+    # MLA, 1 shared + 256 routed experts of 2,048, top-8 sigmoid routing scaled by 2.5; pre-trained at 4K tokens.
+    # Not represented: the multi-token-prediction module, node-limited routing (n_group, topk_group).
+    "deepseek-v3": dict(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, d_ff=18432, max_seq_len=4096,
+                        norm_eps=1e-6, attention="mla",
+                        mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                 v_head_dim=128),
+                        moe=dict(n_experts=256, top_k=8, n_shared_experts=1, d_expert=2048, router="sigmoid",
+                                 routed_scaling_factor=2.5, first_dense_layers=3, bias_update_speed=0.001)),
 }
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
     """The named preset, optionally with fields overridden; one-line error for an unknown name."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return config_from_dict({**PRESETS[name], **overrides}).validate()
+    presets = {**PRESETS, **MOE_PRESETS}
+    if name not in presets:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")
+    return config_from_dict({**presets[name], **overrides}).validate()
