@@ -74,9 +74,6 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
     if dims.pp == 1 and cfg.virtual_stages > 1:
         raise ConfigError(f"--virtual-stages {cfg.virtual_stages} cuts each pipeline rank's layers into chunks: "
                           "it needs --pp > 1")
-    if cfg.zero == 3 and dims.tp * dims.pp > 1:
-        raise ConfigError(f"--zero 3 with tp={dims.tp} pp={dims.pp} is not supported yet (ZeRO-3's parameter "
-                          "gathering is not wired for tp-sharded or pipeline-stage models); use --zero 1 or 2")
     try:
         validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
         validate_context_parallel(mcfg, dims.cp, cfg.cp_impl, cfg.seq_len, dims.tp, cfg.sp)

@@ -12,7 +12,9 @@ types:
 
 - `replicated_over` (dp_cp, or edp for experts): every rank of that group holds the same tensor, except under
   ZeRO-3, where each rank holds only its own slice of the parameters: no parameter has a replica to compare;
-- a split whose `dim` is None (a tp-replicated norm weight): every rank of that group holds the whole tensor;
+- a split whose `dim` is None (a tp-replicated norm weight): every rank of that group holds the whole tensor (under
+  ZeRO-3, the same slice of it: the ranks of a tp group shard equal local shapes in the same bucket layout, so
+  they own the same element ranges, and those slices are compared);
 - a split with `replicas` > 1 (a key/value head shared by several tp ranks): the ranks with the same slice index.
 
 Persistent buffers (model state, e.g. the MoE router bias) are compared over dp_cp, whose ranks run the same
@@ -55,19 +57,23 @@ def tensor_hash(tensor: torch.Tensor) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def replica_entries(model: nn.Module, params_sharded: bool = False) -> dict[str, list[Entry]]:
+def replica_entries(model: nn.Module, params_sharded: bool = False,
+                    pieces: dict[str, torch.Tensor] | None = None) -> dict[str, list[Entry]]:
     """{group: the tensors of this rank that other ranks of that group also hold}, each list in name order.
 
-    `params_sharded` (ZeRO-3): the parameters live as disjoint slices over dp_cp, so replicated_over is ignored."""
+    `params_sharded` (ZeRO-3): the parameters live as disjoint slices over dp_cp, so replicated_over is ignored, and
+    `pieces` holds this rank's slice of each parameter by name (`ZeroOptimizer.param_pieces`), compared in its
+    place (the model's parameters are empty tensors between gathers)."""
     entries: dict[str, list[Entry]] = defaultdict(list)
     for name, param in sorted(model.named_parameters()):
         placement = placement_of(param)
+        tensor = pieces[name] if pieces is not None else param
         if not params_sharded:
             for group in placement.replicated_over:
-                entries[group].append(Entry(name, param))
+                entries[group].append(Entry(name, tensor))
         for group, split in placement.splits.items():
             if split.dim is None or split.replicas > 1:
-                entries[group].append(Entry(name, param, split.index))
+                entries[group].append(Entry(name, tensor, split.index))
     persistent = set(model.state_dict())
     for name, buffer in sorted(model.named_buffers()):
         if name in persistent:
@@ -109,10 +115,11 @@ def compare(group: str, entries: list[Entry], comm: Comm) -> None:
 
 
 def check_replicas(model: nn.Module, comms: dict[str, Comm], params_sharded: bool = False,
-                   when: str = "") -> None:
+                   when: str = "", pieces: dict[str, torch.Tensor] | None = None) -> None:
     """Compare every replicated tensor over its group; `comms` holds this rank's Comm of every group of size > 1
-    that may appear in a placement. Every rank of the job calls it, with the same groups in the same order."""
-    entries = replica_entries(model, params_sharded)
+    that may appear in a placement. Every rank of the job calls it, with the same groups in the same order.
+    `pieces`: under ZeRO-3, this rank's slices of the parameters by name (see `replica_entries`)."""
+    entries = replica_entries(model, params_sharded, pieces)
     # A group no placement names (edp without experts) has no entries on any of its ranks: nothing to compare.
     for group in sorted(set(comms) & set(entries)):
         try:
@@ -128,5 +135,8 @@ def replica_comms(topo) -> dict[str, Comm]:
 
 def check_run(run, when: str) -> None:
     """The trainer's check (`run`: a `minidist.train.Run`): every copy of a replicated tensor bitwise identical.
-    Under ZeRO-3 no parameter has a copy (each rank holds its own slice); buffers are still compared."""
-    check_replicas(run.parallel.model, replica_comms(run.topo), run.cfg.zero == 3, when)
+    Under ZeRO-3 no parameter has a dp_cp copy (each rank holds its own slice); the slices of tp-replicated ones
+    and the buffers are still compared."""
+    sharded, engine = run.cfg.zero == 3, run.parallel.zero or run.parallel.experts
+    pieces = engine.param_pieces() if sharded and engine is not None else None
+    check_replicas(run.parallel.model, replica_comms(run.topo), sharded, when, pieces)

@@ -115,7 +115,6 @@ def _error(world: int, **changes) -> str:
     (2, dict(pp=2, virtual_stages=2), "needs schedule='interleaved'"),
     (1, dict(virtual_stages=2), "needs --pp > 1"),
     (2, dict(pp=2, model_overrides=dict(MODEL, tie_embeddings=True)), "tie_embeddings"),
-    (2, dict(tp=2, zero=3), "--zero 3 with tp=2 pp=1 is not supported"),
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
 ])
 def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:

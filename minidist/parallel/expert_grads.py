@@ -108,6 +108,24 @@ class ExpertReplicas:
         found = {**self.engines[0].full_parameters(), **self.engines[1].full_parameters()}
         return {n: found[n] for n, _ in self.model.named_parameters() if n in found}
 
+    def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, value) in model order, one at a time (ZeRO-3: one unit of one engine gathered at a time; every
+        rank walks the model in the same order, so the two groups' gathers interleave alike on all ranks)."""
+        if self.stage == 0:
+            yield from ((n, p.detach()) for n, p in self.model.named_parameters())
+            return
+        streams = [engine.iter_full_parameters() for engine in self.engines]
+        engine_of = {n: i for i, engine in enumerate(self.engines) for n, _ in engine.named}
+        for name, _ in self.model.named_parameters():
+            if name in engine_of:
+                yield next(streams[engine_of[name]])
+
+    def param_pieces(self) -> dict[str, torch.Tensor]:
+        """The part of each parameter this rank updates, by name (see `ZeroOptimizer.param_pieces`)."""
+        if self.stage == 0:
+            return {n: p.detach() for n, p in self.model.named_parameters()}
+        return {**self.engines[0].param_pieces(), **self.engines[1].param_pieces()}
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """This rank's reduced gradients by name (expert weights: its block), assembled from ZeRO's shards."""
         self.finish_grad_sync()

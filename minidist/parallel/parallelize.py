@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -282,8 +282,10 @@ class ParallelModel:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def full_parameters(self) -> list[torch.Tensor]:
-        """This rank's parameters in model order, whole under ZeRO-3 (gathered from the shards: collective)."""
-        if self.zero is not None or self.experts is not None:
-            return list((self.zero or self.experts).full_parameters().values())
-        return list(self.model.parameters())
+    def full_parameters(self) -> Iterator[torch.Tensor]:
+        """This rank's parameters in model order, whole under ZeRO-3: gathered one unit at a time as the caller
+        iterates, so a hash never holds the whole model (collective: every rank iterates to the end)."""
+        engine = self.zero or self.experts
+        if engine is None:
+            return iter(list(self.model.parameters()))
+        return (value for _, value in engine.iter_full_parameters())

@@ -17,6 +17,7 @@ values before backward needs them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,8 +40,10 @@ class ParamHome:
     def buffers(self) -> list[torch.Tensor]:
         return []
 
-    def full(self) -> dict[str, torch.Tensor]:
-        return {}  # the model holds every parameter
+    def iter_full(self, named: Sequence[tuple[str, nn.Parameter]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full value) in the order of `named`: here the model's own tensors, whole."""
+        for name, param in named:
+            yield name, param.detach()
 
     def state_dict(self) -> dict:
         return {}  # the model's state dict holds them
@@ -126,13 +129,19 @@ class ShardedParams(ParamHome):
     def buffers(self) -> list[torch.Tensor]:
         return [b.param_shard for b in self.buckets] + [u.full for u in self.units]
 
-    def full(self) -> dict[str, torch.Tensor]:
-        """Every sharded parameter by name, all-gathered (collective)."""
-        out = {}
-        for bucket in self.buckets:
-            gathered = self.comm.all_gather(bucket.param_shard)
-            out.update({n: v.clone() for n, v in zip(bucket.names, bucket.views(gathered))})
-        return out
+    def iter_full(self, named: Sequence[tuple[str, nn.Parameter]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full value: a copy) in the order of `named`, all-gathering one unit at a time (collective: every
+        rank of the group iterates to the end). The unit holding the current parameter is the only one gathered,
+        so at most a unit (plus the copy last yielded) lives beside the shards; a unit whose parameters are not
+        consecutive in `named` (the root: embedding first, head last) is gathered once per run of them."""
+        home = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        current, views = None, []
+        for name, param in named:
+            bucket, i = home[id(param)]
+            if bucket is not current:
+                views = []  # drop the previous unit before gathering the next
+                current, views = bucket, bucket.views(self.comm.all_gather(bucket.param_shard))
+            yield name, views[i].clone()
 
     def state_dict(self) -> dict:
         return {"param_shards": [b.param_shard.clone() for b in self.buckets]}
@@ -203,8 +212,22 @@ class ShardedParams(ParamHome):
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """ZeRO-3's gather units: the transformer blocks (`model.blocks`), if the model has them; else none (the root)."""
-    return list(model.blocks) if isinstance(getattr(model, "blocks", None), nn.ModuleList) else []
+    """ZeRO-3's gather units, in forward order: the transformer blocks (`model.blocks`), if the model has them; else
+    none (everything is the root).
+
+    A pipeline stage holds some blocks (None in the others' places) and calls itself once per chunk: its embedding
+    (with the first block) and its final norm and head (with the last) are units of their own, so that a chunk
+    gathers only what it runs and the root is empty (a tied weight then sits alone in the head's unit)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        return []
+    held = [b for b in blocks if b is not None]
+    if len(held) == len(blocks):
+        return held
+    ends = lambda names: [getattr(model, n) for n in names if getattr(model, n, None) is not None]  # noqa: E731
+    first = ends(("tok_emb", "pos_emb")) if blocks[0] is not None else []
+    last = ends(("norm", "lm_head")) if blocks[-1] is not None else []
+    return [*first, *held, *last]
 
 
 def unit_buckets(named: list[tuple[str, nn.Parameter]], modules: list[nn.Module | None],
