@@ -377,6 +377,12 @@ def read_full_model(checkpoint_step_dir: Path) -> dict[str, torch.Tensor]:
     """{name: full tensor} of every parameter and persistent buffer, named as in the one-process model, from a
     checkpoint directory (e.g. OUT/checkpoints/step_000100) of any layout. Every element must be written exactly
     once; anything else is a one-line ValueError."""
+    return read_full(checkpoint_step_dir, "value")
+
+
+def read_full(checkpoint_step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of one kind of state: "value", or an optimizer state shaped like the parameter
+    ("exp_avg", "exp_avg_sq" for AdamW), for every name that has it."""
     step_dir = Path(checkpoint_step_dir)
     match = checkpoint.STEP_NAME.fullmatch(step_dir.name)
     if match is None:
@@ -385,13 +391,15 @@ def read_full_model(checkpoint_step_dir: Path) -> dict[str, torch.Tensor]:
     reader = PieceReader(step_dir, meta)
     out = {}
     for name, entries in reader.entries.items():
+        entries = [e for e in entries if kind in e["kinds"]]
+        if not entries:
+            continue
         shape = tuple(entries[0]["shape"])
         written = sum(int(e["runs"][:, 1].sum()) for e in entries)
-        full = torch.empty(shape, dtype=reader.tensor(entries[0], "value").dtype)
+        full = torch.empty(shape, dtype=reader.tensor(entries[0], kind).dtype)
         if written != full.numel():
-            raise ValueError(f"checkpoint {step_dir.name} writes {written} elements of {name}, which has "
+            raise ValueError(f"checkpoint {step_dir.name} writes {written} elements of {name} ({kind}), which has "
                              f"{full.numel()}: each must be written exactly once")
-        reader.fill(name, shape, torch.tensor([[0, full.numel()]]), full.view(-1))
+        reader.fill(name, shape, torch.tensor([[0, full.numel()]]), full.view(-1), kind)
         out[name] = full
     return out
-

@@ -13,6 +13,7 @@ One launch of 2 ranks runs every multi-process segment; the one-process segments
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 import trainer_parity
 
-from minidist import checkpoint, reshard, train
+from minidist import checkpoint, reshard, run_state, train
+from minidist.distributed import DistEnv, init_distributed, resolve_parallel_dims
 from minidist.launch import run_ranks
 from minidist.train import ConfigError, TrainConfig
 
@@ -54,13 +56,42 @@ def is_multi(layout: dict | None) -> bool:
     return layout is not None and any(layout.get(k, 1) > 1 for k in ("dp", "tp", "pp", "cp", "ep"))
 
 
+# A checkpoint loaded in another layout and saved again at once: (chain, step, name, layout). The written pieces
+# differ (other files, other runs); read whole they must be the same bits: values and optimizer state.
+RESAVES = [("A", 4, "tp2 to pp2", dict(pp=2)), ("A", 4, "tp2 to dp2 zero3", dict(dp=2, zero=3)),
+           ("B", 4, "dp2 zero1 to tp2", dict(tp=2)),
+           ("MoE", 3, "dp2 ep2 zero1 to dp2 ep2", dict(dp=2, ep=2, model_overrides=MOE)),
+           ("MoE", 3, "dp2 ep2 zero1 to 1 process", dict(model_overrides=MOE))]
+
+
 def _rank_segments(root: str) -> None:
-    """Every multi-process segment of every chain, in order (each chain's are consecutive)."""
+    """Every multi-process segment of every chain, in order (each chain's are consecutive); the resaves."""
     for chain, segments in CHAINS.items():
         for i, (layout, _) in enumerate(segments):
             if is_multi(layout):
                 train.train(segment_config(root, chain, i))
                 dist.barrier()
+    for chain, step, name, layout in RESAVES:
+        if is_multi(layout):
+            resave(root, chain, step, name, layout)
+
+
+def resave(root: str, chain: str, step: int, name: str, layout: dict) -> None:
+    """Load `chain`'s checkpoint at `step` in `layout` (as --resume does) and save it again, under resave/NAME."""
+    src = Path(root) / chain / "checkpoints" / checkpoint.step_dir_name(step)
+    out = Path(root) / "resave" / name
+    env = DistEnv.detect()
+    if env.rank == 0:
+        shutil.copytree(src, out / "checkpoints" / src.name)
+        (out / "checkpoints" / checkpoint.LATEST).write_text(src.name + "\n")
+    if env.world_size > 1:
+        dist.barrier()
+    cfg = config(str(out), resume=True, **layout)
+    device = torch.device("cpu")
+    topo, _ = init_distributed(resolve_parallel_dims(cfg, env.world_size), env, device, timeout_s=120)
+    run = train.setup(cfg, env, topo, device)
+    assert run_state.restore_run(run) == step
+    run_state.save_run(run, step)
 
 
 def _one_process(root: str, chain: str, i: int) -> None:
@@ -79,6 +110,9 @@ def _chains(root: str) -> str:
         for i, (layout, _) in enumerate(segments):
             if i > first[chain] and not is_multi(layout):
                 _one_process(root, chain, i)
+    for chain, step, name, layout in RESAVES:
+        if not is_multi(layout):
+            resave(root, chain, step, name, layout)
     return root
 
 
@@ -106,6 +140,21 @@ def test_resume_in_another_layout_logs_the_one_process_run(chains, references, c
     trainer_parity.assert_logs_match(chain, trainer_parity.records(str(out)), trainer_parity.records(reference))
     steps = checkpoint.complete_steps(out / "checkpoints")
     assert steps == [stop for _, stop in CHAINS[chain] if stop]  # --stop-after left its checkpoint, nothing else
+
+
+@pytest.mark.parametrize("chain, step, name", [r[:3] for r in RESAVES], ids=[r[2] for r in RESAVES])
+def test_resharded_load_keeps_every_bit(chains, chain, step, name) -> None:
+    step_dir = checkpoint.step_dir_name(step)
+    written = Path(chains) / chain / "checkpoints" / step_dir
+    again = Path(chains) / "resave" / name / "checkpoints" / step_dir
+    for kind in ("value", "exp_avg", "exp_avg_sq"):
+        want, got = reshard.read_full(written, kind), reshard.read_full(again, kind)
+        assert sorted(got) == sorted(want) and want
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{name}: {kind} of {key}"
+    if chain == "MoE":
+        values = reshard.read_full_model(written)  # the router biases are there (and compared above), not zero
+        assert any(k.endswith("router_bias") and v.abs().sum() > 0 for k, v in values.items())
 
 
 def test_one_writer_per_piece(chains) -> None:
