@@ -1,0 +1,1 @@
+"""Debugging distributed training: the tools of chapter 14."""

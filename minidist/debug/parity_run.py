@@ -1,0 +1,170 @@
+"""A small run through the real assembly (`parallelize` → `ParallelModel`) and everything a parity check compares.
+
+The bug museum and the tolerance lab of chapter 14 both need the same experiment: train a tiny model for a few
+steps under some layout, and bring back what the one-process run is compared with: the loss and the gradient norm
+of every step, the first step's full gradients and the initial full parameters by name (gathered from tp shards,
+collected from pipeline stages), the contribution of every parameter to the gradient norm as the layout computed
+it, the replica check's verdict after the last step and the bytes the data-parallel reduction sent.
+
+`run(setup)` runs one `Setup` on its ranks (`minidist.launch.run_ranks`) and merges them; `run_local(setup)` runs a
+one-rank setup in this process (the reference). `run_rank(setups)` is the rank function: one launch can run many
+setups of the same world size (each builds its own groups), which is what keeps the tests fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from minidist.comm import Ledger
+from minidist.corpus import BatchSampler, load_corpus
+from minidist.debug import grad_diff, museum
+from minidist.launch import run_ranks
+from minidist.model import ModelConfig, build_model, get_preset
+from minidist.optim import build_optimizer
+from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.parallelize import IGNORE_INDEX
+from minidist.precision import autocast_for
+from minidist.replicas import ReplicasDiffer, check_replicas, replica_comms
+from minidist.topology import ParallelDims, Topology
+
+# Small enough for 2 CPU ranks in a second; every layout of the lab divides it (2 layers for pp 2, 4 heads and
+# 2 kv heads for tp 2, 8 rows for dp 4 x 2 micro-batches).
+CFG: ModelConfig = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+SEQ_LEN, GLOBAL_BATCH, SEED = 32, 8, 1234
+LR, GRAD_CLIP = 3e-3, 0.5  # the clip is below the first steps' norms (~2): a wrong norm changes the update
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One experiment: a layout, a precision, a number of steps and optionally a museum bug switched on."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    steps: int = 1
+    dtype: str = "fp32"  # or "bf16": autocast of the forward, fp32 weights, gradients and reductions
+    reverse: bool = False  # accumulate this rank's micro-batches in reversed order
+    bug: str | None = None  # a name of `museum.BUGS`
+    label: str = field(default="", compare=False)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@functools.lru_cache(maxsize=1)
+def _tokens() -> torch.Tensor:
+    return load_corpus(max_bytes=300_000).train
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of `step`, the same on every rank. The first (5·row mod 13) targets of each row are
+    ignored (a masked prompt), so replicas and micro-batches count different numbers of tokens."""
+    inputs, targets = BatchSampler(_tokens(), SEQ_LEN, GLOBAL_BATCH, SEED).batch(step)
+    targets = targets.clone()
+    for row in range(targets.shape[0]):
+        targets[row, : (5 * row) % 13] = IGNORE_INDEX
+    return inputs, targets
+
+
+def local_batches(step: int, topo: Topology, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the global batch of `step` (a contiguous block per dp rank), in micro-batches."""
+    inputs, targets = global_batch(step)
+    rows = GLOBAL_BATCH // topo.size("dp")
+    first = topo.coord("dp") * rows
+    batches = list(zip(inputs[first:first + rows].chunk(setup.microbatches),
+                       targets[first:first + rows].chunk(setup.microbatches)))
+    return batches[::-1] if setup.reverse else batches
+
+
+def _train(setup: Setup, topo: Topology) -> dict:
+    torch.manual_seed(SEED)
+    model = build_model(CFG, seed=SEED)
+    names = [name for name, _ in model.named_parameters()]
+    options = ParallelOptions(microbatches=setup.microbatches)
+    make_optimizer = functools.partial(build_optimizer, lr=LR, weight_decay=0.1)
+    parallel = parallelize(model, CFG, topo, options, make_optimizer)
+    quiet = topo.comm("tp", Ledger()) if topo.size("tp") > 1 else None  # checking gathers stay off any ledger
+    out: dict = {"rank": topo.rank, "coords": dict(topo.coords), "losses": [], "norms": [],
+                 "params0": grad_diff.full_named(parallel.model, quiet)}
+    autocast = autocast_for(setup.dtype, torch.device("cpu"))
+    for step in range(setup.steps):
+        losses = parallel.forward_backward(local_batches(step, topo, setup), autocast)
+        if step == 0:
+            out["contributions"] = grad_diff.norm_contributions(parallel, names)
+            out["grads"] = grad_diff.full_named(parallel.model, quiet, grads=True)
+        out["norms"].append(parallel.clip_grad_norm_(GRAD_CLIP))
+        parallel.step()
+        out["losses"].append(losses.loss)
+    try:  # the trainer's replica check (chapter 13), after the last step
+        check_replicas(parallel.model, replica_comms(topo))
+        out["replica_error"] = None
+    except ReplicasDiffer as e:
+        out["replica_error"] = str(e)
+    sync = parallel.grad_sync
+    out["dp_bytes"] = sync.comm.ledger.bytes("all_reduce") if isinstance(sync, DataParallel) else None
+    out["numel"] = sum(t.numel() for t in out["params0"].values()) if topo.rank == 0 else None
+    return out
+
+
+def run_setup(setup: Setup, topo: Topology) -> dict:
+    """Train `setup` on this rank (the bug, if any, switched on for the whole run)."""
+    with museum.bug(setup.bug) if setup.bug else contextlib.nullcontext():
+        return _train(setup, topo)
+
+
+def run_rank(setups: list[Setup]) -> list[dict]:
+    """Rank function: every setup in turn on this rank (all of them need the launch's world size)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return [run_setup(s, Topology(ParallelDims(dp=s.dp, tp=s.tp, pp=s.pp), rank, world)) for s in setups]
+
+
+def merge(ranks: list[dict]) -> dict:
+    """One record from the ranks' records (in rank order): losses and norms as rank 0 saw them, and per name the
+    tensors of the first rank that holds it (dp rank 0 of its stage, gathered over tp)."""
+    first = ranks[0]
+    merged = {key: first[key] for key in ("losses", "norms", "contributions", "replica_error", "dp_bytes")}
+    merged["norms_by_rank"] = [r["norms"] for r in ranks]
+    for key in ("grads", "params0"):
+        merged[key] = {}
+        for r in ranks:
+            for name, tensor in r[key].items():
+                merged[key].setdefault(name, tensor)
+    merged["numel"] = sum(t.numel() for t in merged["params0"].values())
+    return merged
+
+
+def run_many(setups: list[Setup], timeout: float = 180.0) -> list[dict]:
+    """Run setups of one world size in one launch; one merged record per setup."""
+    worlds = {s.world for s in setups}
+    if len(worlds) != 1:
+        raise ValueError(f"one launch runs setups of one world size, got sizes {sorted(worlds)}")
+    world = worlds.pop()
+    if world == 1:
+        return [run_local(s) for s in setups]
+    per_rank = run_ranks(run_rank, world, setups, timeout=timeout, threads_per_rank=1,
+                         case=", ".join(s.label or repr(s) for s in setups))
+    return [merge([per_rank[r][i] for r in range(world)]) for i in range(len(setups))]
+
+
+def run(setup: Setup, timeout: float = 180.0) -> dict:
+    return run_many([setup], timeout)[0]
+
+
+def run_local(setup: Setup = Setup()) -> dict:
+    """A one-rank setup in this process, without a process group (the reference of every comparison)."""
+    if setup.world != 1:
+        raise ValueError(f"run_local runs one rank; {setup} needs {setup.world}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a launch: the same kernels, the same rounding
+    try:
+        return merge([run_setup(setup, Topology(ParallelDims(), 0, 1))])
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,56 @@
+"""The bug museum (chapter 14): each bug switched on is caught by its check and localized by the layer-by-layer
+diff to the parameters where it lives; switched off, every check passes on the same layout."""
+
+from __future__ import annotations
+
+import museum_cases
+import pytest
+
+from minidist.debug import museum
+from minidist.parallel.pipeline import PipelineRunner
+
+BUGS = list(museum.BUGS)
+
+
+def _reference() -> dict:
+    return museum_cases.reference("fp32", museum_cases.BUG_STEPS)
+
+
+@pytest.mark.parametrize("name", BUGS)
+def test_bug_on_its_check_fires_and_the_diff_names_its_layer(name: str) -> None:
+    exhibit, record, reference = museum.BUGS[name], museum_cases.results()[name], _reference()
+    fired = museum.checks(record, reference, exhibit.layout)
+    assert fired[exhibit.check] is not None, f"{name}: the {exhibit.check} check did not fire: {fired}"
+    report = museum.localize(name, record, reference)
+    want = museum.expected_layer(name, list(reference["grads"]))
+    assert want, f"{name}: its layer pattern {exhibit.layer!r} names no parameter"
+    assert report.flagged == want, f"{name}: the diff flagged {report.flagged}, the bug lives in {want}"
+
+
+@pytest.mark.parametrize("name", BUGS)
+def test_bug_off_every_check_passes(name: str) -> None:
+    record = museum_cases.results()[f"{name} off"]
+    fired = museum.checks(record, _reference(), museum.BUGS[name].layout)
+    assert all(v is None for v in fired.values()), f"{name} off: {fired}"
+
+
+def test_the_bugs_that_hide_from_the_loss_curve_do_hide() -> None:
+    """A mis-scaled gradient (clipped and Adam-normalized away), a norm weight counted twice and an embedding row
+    that the corpus never reads leave the loss of the first steps within the reduction-order tolerance: only the
+    checks see them."""
+    from minidist.debug import tolerance
+
+    reference = _reference()
+    for name in ("pipeline_missing_1_over_m", "grad_norm_tp_replicas", "vocab_padded_inconsistently"):
+        losses = museum_cases.results()[name]["losses"]
+        assert tolerance.close(losses, reference["losses"]), (name, losses, reference["losses"])
+
+
+def test_a_bug_is_switched_off_when_its_block_ends() -> None:
+    before = PipelineRunner.step
+    with museum.bug("pipeline_missing_1_over_m") as exhibit:
+        assert PipelineRunner.step is not before and exhibit.name == "pipeline_missing_1_over_m"
+    assert PipelineRunner.step is before
+    with pytest.raises(ValueError, match="unknown bug 'nope'; the museum has no_sync_never_synced"):
+        with museum.bug("nope"):
+            pass
