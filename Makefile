@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	@touch $(STAMP)
 
 # A demo: --overwrite replaces the previous `make train` run in runs/tiny, so it can be run again and again.
