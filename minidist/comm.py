@@ -32,10 +32,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from minidist.debug.recorder import FlightRecorder
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ledger
@@ -155,11 +159,14 @@ class Comm:
     tensor handed to a collective or point-to-point call must live on that device with one of those dtypes, or the
     call raises before it communicates. NCCL takes only tensors on the rank's GPU, and both ends of a message must
     agree on its dtype; a CPU test run with device "cpu" checks the same discipline where no GPU is.
+
+    Flight recorder: with `recorder` (a `minidist.debug.recorder.FlightRecorder`), every call of a group of two or
+    more ranks is appended to it (op, shapes, dtype, peer, call site) before it communicates.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None,
                  name: str | None = None, *, expect_device: torch.device | str | None = None,
-                 expect_dtypes: Iterable[torch.dtype] | None = None) -> None:
+                 expect_dtypes: Iterable[torch.dtype] | None = None, recorder: FlightRecorder | None = None) -> None:
         self.ledger = ledger if ledger is not None else Ledger()
         self.expect_device = torch.device(expect_device) if expect_device is not None else None
         self.expect_dtypes = frozenset(expect_dtypes) if expect_dtypes is not None else None
@@ -177,6 +184,8 @@ class Comm:
         if name is None:
             name = "world" if self.group in (None, dist.group.WORLD) else "ranks" + ",".join(map(str, self.ranks))
         self.name = name
+        self.recorder = recorder if self.size > 1 else None  # a group of one never waits for anybody
+        self._ranks_key = tuple(self.ranks)
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's member number `group_rank`."""
@@ -211,6 +220,14 @@ class Comm:
                 raise ValueError(f"{op} on {self.name}: a tensor {tuple(t.shape)} of {t.dtype}, but this Comm "
                                  f"expects {sorted(map(str, self.expect_dtypes))}")
 
+    def _record(self, op: str, tensor: torch.Tensor, peer: int | None = None, batch: int | None = None,
+                detail: str | None = None) -> int | None:
+        """Append this call to the flight recorder, if any; `peer` is a group rank. Returns the record's seq."""
+        if self.recorder is None:
+            return None
+        return self.recorder.record(self.name, self._ranks_key, op, tuple(tensor.shape), tensor.dtype,
+                                    None if peer is None else self.ranks[peer], batch, detail)
+
     def _finish(self, work, output: torch.Tensor | None, async_op: bool,
                 after: Callable[[], None] | None = None):
         handle = Handle(work, output, after)
@@ -231,6 +248,7 @@ class Comm:
                            ring_bytes_sent("all_reduce", tensor.shape, tensor.element_size(), self.size, self.rank))
         if self.size == 1:
             return self._finish(None, tensor, async_op)
+        self._record("all_reduce", tensor, detail=op)
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
         after = (lambda: tensor.div_(self.size)) if op == "avg" else None  # gloo has no AVG
         return self._finish(work, tensor, async_op, after)
@@ -245,6 +263,7 @@ class Comm:
         if self.size == 1:
             out.copy_(tensor.reshape(out.shape))
             return self._finish(None, out, async_op)
+        self._record("all_gather", tensor)
         work = dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
         return self._finish(work, out, async_op)
 
@@ -263,6 +282,7 @@ class Comm:
         if self.size == 1:
             out.copy_(tensor)
             return self._finish(None, out, async_op)
+        self._record("reduce_scatter", tensor, detail=op)
         work = dist.reduce_scatter_single(out, tensor.contiguous(), op=reduce_op, group=self.group, async_op=True)
         after = (lambda: out.div_(self.size)) if op == "avg" else None
         return self._finish(work, out, async_op, after)
@@ -301,6 +321,7 @@ class Comm:
         if p == 1:
             out.copy_(tensor)
             return self._finish(None, out, async_op)
+        self._record("all_to_all", tensor)  # its rows may differ across ranks (uneven splits), the rest may not
         work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(out_splits),
                                       input_split_sizes=list(in_splits), group=self.group, async_op=True)
         return self._finish(work, out, async_op)
@@ -312,11 +333,14 @@ class Comm:
                                                                    self.size, self.rank, src=src))
         if self.size == 1:
             return self._finish(None, tensor, async_op)
+        self._record("broadcast", tensor, detail=f"src={src}")
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
         return self._finish(work, tensor, async_op)
 
     def barrier(self) -> None:
         if self.size > 1:
+            if self.recorder is not None:
+                self.recorder.record(self.name, self._ranks_key, "barrier", (), None)
             dist.barrier(group=self.group)
 
     # -- point to point -------------------------------------------------------------------------------------------
@@ -331,12 +355,14 @@ class Comm:
         """Start sending `tensor` to group rank `dst`; do not modify `tensor` before wait()."""
         self._check("isend", tensor)
         self.ledger.record("send", self.name, _nbytes(tensor))
+        self._record("send", tensor, peer=dst)
         return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` (contiguous) from group rank `src`; wait() returns it."""
         self._check("irecv", tensor)
         self.ledger.record("recv", self.name, 0)
+        self._record("recv", tensor, peer=src)
         return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor)
 
     def exchange(self, sends: Iterable[tuple[torch.Tensor, int]] = (),
@@ -370,4 +396,9 @@ class Comm:
         ops += [dist.P2POp(dist.isend, t, self.global_rank(peer), self.group) for t, peer in sends]
         if not ops:
             return [], 0
+        if self.recorder is not None:  # in posting order: receives first; one batch, named by its first record
+            first = self.recorder.seq
+            for kind, items in (("recv", recvs), ("send", sends)):
+                for t, peer in items:
+                    self._record(kind, t, peer=peer, batch=first)
         return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)

@@ -59,6 +59,7 @@ class Wait:
 class Outcome:
     deadlock: bool
     blocked: dict[int, str] = field(default_factory=dict)  # rank -> why it cannot move (when deadlocked)
+    stuck: dict[int, list[Op]] = field(default_factory=dict)  # rank -> the unfinished ops at its streams' heads
     mismatches: list[str] = field(default_factory=list)  # "rank a -> rank b, pair i: sent X, expected Y"
     pairs: int = 0  # send/receive pairs that completed
 
@@ -160,5 +161,6 @@ def replay(programs: Sequence[Sequence[Post | Wait]]) -> Outcome:
     for (rank, stream), queue in left.items():
         head = [op for op, done in zip(queue[0].ops, queue[0].done) if not done]
         outcome.blocked.setdefault(rank, f"stream {stream} stuck on {head}")
+        outcome.stuck.setdefault(rank, []).extend(head)
     outcome.deadlock = bool(outcome.blocked)
     return outcome
