@@ -48,10 +48,10 @@ def checkpoint_if_due(run: Any, step: int) -> None:
     (a time-limited job must leave a checkpoint to continue from)."""
     cfg = run.cfg
     due = cfg.ckpt_every > 0 and (step == cfg.steps - 1 or (step + 1) % cfg.ckpt_every == 0)
-    stopping = step + 1 == cfg.stop_after < cfg.steps
+    stopping = step + 1 == cfg.stop_after
     if due or stopping:
         save_run(run, step + 1)
-    if stopping:
+    if stopping and cfg.stop_after < cfg.steps:
         run.log(f"--stop-after {cfg.stop_after}: stopped with a checkpoint at step {step + 1} of {cfg.steps}; "
                 "continue with --resume")
 

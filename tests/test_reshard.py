@@ -206,6 +206,7 @@ def test_missing_elements_and_bad_stop_after_are_one_line(chains, tmp_path) -> N
     with pytest.raises(ValueError, match="not sorted, disjoint"):
         reshard.PieceReader(step_dir, {**meta, "pieces": [{**meta["pieces"][0], "runs": [[5, 3, 1, 0],
                                                                                          [0, 3, 1, 0]]}]})
+    assert train.parse_config(["--stop-after", "3", "--steps", "6"]).stop_after == 3
     with pytest.raises(ConfigError, match="stop-after 7 is outside"):
         train.train(config(str(tmp_path / "x"), stop_after=7))
     with pytest.raises(ConfigError, match="already at or past --stop-after 2"):
