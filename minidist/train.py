@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state, shard_build
+from minidist.compiling import compile_blocks
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.distributed import DistEnv, barrier_for, init_distributed, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig
@@ -112,12 +113,14 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     if cfg.recompute == "full":
         memory.apply_recompute(model)
+    if cfg.compile:
+        compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
     autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
     counts = parameter_counts(model)
     options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
                               microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
-                              cp_impl=cfg.cp_impl)
+                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
     make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                        betas=(cfg.beta1, cfg.beta2))
     parallel = parallelize(model, mcfg, topo, options, make_optimizer, shard_build.materializer(mcfg, cfg.seed, device))

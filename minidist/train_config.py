@@ -58,6 +58,8 @@ class TrainConfig:
     # precision and device
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
     recompute: str = "none"  # activation recomputation: none, or full (each block)
+    loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
+    compile: bool = False  # torch.compile each transformer block
     device: str = "auto"
     # parallel layout (dp None: whatever the other dimensions leave of the world size)
     dp: int | None = None
@@ -111,6 +113,9 @@ FLAGS: list[tuple[str, str]] = [
                 "gradient reductions stay fp32)"),
     ("--recompute", "activation recomputation: none, or full (keep each block's input, recompute the block "
                     "in the backward)"),
+    ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
+                     "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
+                     "or --zero 3)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
     ("--tp", "tensor-parallel degree"),
@@ -163,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
     parser.add_argument("--tp-reduce-fp32", action="store_true",
                         help="sum tensor-parallel partial results in fp32 (matters under --dtype bf16)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor; "
+                        "on a CPU it needs a C++ compiler)")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
@@ -303,7 +310,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     mcfg = model_config(cfg)
     at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
                 "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-                "virtual_stages": 1, "keep": 1, "check_every": 0}
+                "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0}
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
@@ -331,6 +338,15 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
     if cfg.zero > 3:
         raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.loss_chunk and cfg.tp > 1:
+        raise ConfigError("--loss-chunk with --tp > 1: the vocab-parallel loss is not chunked; use --loss-chunk 0")
+    if cfg.loss_chunk and cfg.zero == 3:
+        raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
+                          "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
+    if cfg.compile:
+        from minidist.compiling import check_can_compile
+
+        check_can_compile(cfg.device)
     for key in ("weight_decay", "grad_clip"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")

@@ -63,6 +63,7 @@ class ParallelOptions:
     virtual_stages: int = 1
     zero: int = 0  # ZeRO stage over the dp_cp group
     cp_impl: str = "ring"  # context-parallel attention: ring, allgather or ulysses
+    loss_chunk: int = 0  # > 0: head + cross-entropy over chunks of this many tokens (not with tp > 1 or ZeRO-3)
 
 
 @dataclass
@@ -84,6 +85,10 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     With `materialize` (`minidist.shard_build.materializer`), `model` is on the meta device: steps 1-4 transform
     its structure, then `materialize` allocates and fills only the parameters this rank kept, before step 5."""
     loss_fn: Callable = functools.partial(lm_loss, reduction="sum")
+    if options.loss_chunk > 0:  # the head moves into a loss that never holds all the logits (tp: vocab-parallel)
+        from minidist.model.chunked_loss import apply_chunked_loss
+
+        loss_fn = apply_chunked_loss(model, options.loss_chunk)
     if topo.size("tp") > 1:  # 1. tensor parallel
         from minidist.parallel.tensor import apply_tensor_parallel
         from minidist.parallel.vocab import vocab_parallel_cross_entropy
