@@ -109,10 +109,8 @@ def from_hf(hf_dir: Path, run_out: Path, trainer_args: Sequence[str] = (), rope_
                                "flags to `python -m minidist.train --resume`")
     cfg_model, state = read_hf(hf_dir, rope_layout)
     sets = [f"model.{k}={_toml_value(v)}" for k, v in _model_values(cfg_model).items()]
-    try:
+    try:  # an unknown flag: the trainer's parser prints one line and exits with code 2
         cfg = parse_config([*trainer_args, "--out", str(run_out), *(a for s in sets for a in ("--set", s))])
-    except SystemExit as e:  # argparse printed its one line
-        raise ConvertError("bad trainer flags for from-hf (see above)") from e
     except ConfigError as e:
         raise ConvertError(f"trainer settings: {e}") from None
     from minidist import run_dir

@@ -13,10 +13,14 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from minidist import hf_files  # noqa: E402
-from minidist.convert import read_hf  # noqa: E402
+from minidist import hf_files, train  # noqa: E402
+from minidist.convert import main, read_hf  # noqa: E402
 from minidist.convert_hf import ConvertError, from_hf_state, to_hf_state  # noqa: E402
-from minidist.model import build_model, get_preset  # noqa: E402
+from minidist.corpus import BatchSampler, load_corpus  # noqa: E402
+from minidist.launch import run_ranks  # noqa: E402
+from minidist.model import build_model, get_preset, lm_loss  # noqa: E402
+from minidist.reshard import read_full_model  # noqa: E402
+from minidist.train_config import TrainConfig, model_config, parse_config  # noqa: E402
 
 # The converted model's logits equal HF's to this (fp32: the same products summed in another order; measured
 # max |diff| 5e-7 on logits of magnitude ~1).
@@ -213,3 +217,84 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
         assert words in str(e.value) and "\n" not in str(e.value), name
     with pytest.raises(ConvertError, match="not an empty directory"):
         hf_files.write_hf_dir(tmp_path / "no_weights", hf_config, hf_state)  # holds config.json: never replaced
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line, with the trainer's checkpoints: to-hf of a dp2 x tp2 run, from-hf fine-tuned by --resume
+
+MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 32}
+
+
+def run_config(out, **changes) -> TrainConfig:
+    """One step of batch 4 x 32, checkpointed at its end."""
+    settings = dict(model="tiny", model_overrides=dict(MODEL), max_bytes=50_000, batch_size=4, seq_len=32, steps=1,
+                    warmup_steps=0, eval_every=0, eval_batches=1, log_every=100, ckpt_every=1, out=str(out),
+                    peak_flops=1e12, plot=False)
+    return TrainConfig(**{**settings, **changes})
+
+
+def test_to_hf_from_a_dp2_tp2_checkpoint(tmp_path, one_thread):
+    """The HF model converted from a dp2 x tp2 run's checkpoint computes the logits of the one-process run's model
+    (same seed and batch), and reads back as the checkpoint's full model bit for bit."""
+    # train.train itself is the rank function: rank processes import minidist only, not this module's transformers
+    run_ranks(train.train, 4, run_config(tmp_path / "dp2tp2", dp=2, tp=2), timeout=300, threads_per_rank=1,
+              case="dp2 x tp2, 1 step")
+    train.train(run_config(tmp_path / "single"))
+    assert main(["to-hf", str(tmp_path / "dp2tp2"), str(tmp_path / "hf")]) == 0
+
+    step_dir = tmp_path / "dp2tp2" / "checkpoints" / "step_000001"
+    full = read_full_model(step_dir)
+    cfg, state = read_hf(tmp_path / "hf")
+    assert cfg == model_config(run_config("unused"))
+    assert all(torch.equal(state[k], full[k]) for k in full) and set(state) == set(full)
+
+    single = build_model(cfg).eval()
+    single.load_state_dict(torch.load(tmp_path / "single" / "checkpoints" / "step_000001" / "rank0.pt",
+                                      weights_only=True)["model"])
+    tokens = tokens_for(cfg)
+    with torch.no_grad():
+        want = single(tokens)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf", tokens), want, **LOGIT_TOL)
+
+
+def test_from_hf_run_fine_tunes_with_resume(tmp_path, one_thread, capsys):
+    """from-hf makes a run at step 0; `train --config RUN_OUT/finetune.toml --resume` trains it, and its first
+    logged loss is the HF model's loss on the same global batch."""
+    cfg = get_preset("tiny", **MODEL, tie_embeddings=True)
+    state = build_model(cfg, seed=7).state_dict()
+    state["tok_emb.weight"] *= 30  # far from a fresh init's loss of ~ln(256): the weights must be the ones used
+    hf_config, hf_state = to_hf_state(cfg, state)
+    hf_files.write_hf_dir(tmp_path / "hf", hf_config, hf_state)
+    flags = ["--max-bytes", "50000", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--warmup-steps", "0",
+             "--eval-every", "0", "--peak-flops", "1e12", "--no-plot"]
+    out = tmp_path / "ft"
+    assert main(["from-hf", str(tmp_path / "hf"), str(out), *flags]) == 0
+    summary = train.train(parse_config(["--config", str(out / "finetune.toml"), "--resume"]))
+    assert summary["resumed_from"] == 0 and summary["steps"] == [0, 1]
+
+    corpus = load_corpus(None, 0.05, 50_000)
+    inputs, targets = BatchSampler(corpus.train, 32, 4, seed=0).batch(0)
+    ref = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = lm_loss(ref(input_ids=inputs).logits, targets).item()
+    assert abs(summary["losses"][0] - want) < 1e-5, (summary["losses"][0], want)
+
+    # the same OUT again: refused in one line, nothing replaced
+    capsys.readouterr()
+    assert main(["from-hf", str(tmp_path / "hf"), str(out), *flags]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--tp", "2"]) == 2
+    assert "--tp" in capsys.readouterr().err
+
+
+def test_command_line_help_and_errors(tmp_path, capsys):
+    for argv in (["--help"], ["to-hf", "--help"], ["from-hf", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    assert "Llama" in capsys.readouterr().out
+    assert main(["to-hf", str(tmp_path / "none"), str(tmp_path / "hf")]) == 2
+    assert main(["from-hf", str(tmp_path / "none"), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "is not a directory" in err[0] and "is not a directory" in err[1]
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "run").exists()
