@@ -129,8 +129,8 @@ def check_replicas(model: nn.Module, comms: dict[str, Comm], params_sharded: boo
 
 
 def replica_comms(topo) -> dict[str, Comm]:
-    """The Comms of the groups a placement can name (dp_cp, edp, tp), those with more than one rank."""
-    return {name: topo.comm(name) for name in ("dp_cp", "edp", "tp") if topo.size(name) > 1}
+    """The Comms of the groups a placement can name (dp_cp, edp, tp, tied), those with more than one rank."""
+    return {name: topo.comm(name) for name in ("dp_cp", "edp", "tp", "tied") if topo.size(name) > 1}
 
 
 def check_run(run, when: str) -> None:

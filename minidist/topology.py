@@ -20,6 +20,9 @@ agree on every coordinate except those listed:
                             group (ep must divide dp * cp). The ranks of one ep group hold different experts.
     "edp"                   expert data parallel: the dp_cp ranks with the same ep_i, i.e. the ranks holding the same
                             experts; expert gradients are averaged over this group (size dp * cp / ep)
+    "tied"                  the first and the last pipeline stage of one pipeline (same dp, cp, tp), which hold the
+                            two copies of a tied embedding and sum their gradients; a middle stage (or pp = 1) is a
+                            group of its own. Index 0 on the first stage, 1 on the last
     "world"                 every rank
 
 The pure functions (`rank_grid`, `coordinates`, `group_ranks`) need no torch.distributed; `Topology` builds the real
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from minidist.comm import Comm, Ledger
 
 GRID_ORDER = ("pp", "dp", "cp", "tp")  # slowest to fastest varying
-GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "tied", "world")
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ def coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
     cp_i, tp_i = divmod(rest, dims.tp)
     dp_cp_i = dp_i * dims.cp + cp_i
     edp_i, ep_i = divmod(dp_cp_i, dims.ep)
-    return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "dp_cp": dp_cp_i, "ep": ep_i, "edp": edp_i, "world": rank}
+    tied_i = 1 if dims.pp > 1 and pp_i == dims.pp - 1 else 0
+    return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "dp_cp": dp_cp_i, "ep": ep_i, "edp": edp_i,
+            "tied": tied_i, "world": rank}
 
 
 def group_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
@@ -110,6 +115,10 @@ def group_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
     pp, dp, cp, tp = dims.shape
     if name == "world":
         return [list(range(dims.world_size))]
+    if name == "tied":  # pipeline ends paired (first with last), every middle stage's rank alone
+        ends = grid[[0, pp - 1]].reshape(min(pp, 2), -1).T.tolist() if pp > 1 else []
+        alone = grid[1:pp - 1] if pp > 1 else grid
+        return sorted([sorted(row) for row in ends] + [[r] for r in alone.reshape(-1).tolist()])
     if name in GRID_ORDER:
         axis = GRID_ORDER.index(name)
         # Move the axis last; each row of the flattened rest is one group.

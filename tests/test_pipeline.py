@@ -132,10 +132,19 @@ def test_bad_layouts_give_one_line_errors(kwargs: dict, match: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_tied_embeddings_are_refused_across_stages() -> None:
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        validate_pipeline(parity.CFG.replace(tie_embeddings=True), 2, 2)
-    validate_pipeline(parity.CFG.replace(tie_embeddings=True), 1, 2)
+def test_tied_embeddings_leave_a_copy_on_the_first_and_last_stage() -> None:
+    """The last stage keeps the tied weight under its one-process name (so it draws the same initial value and
+    counts as an embedding for weight decay); the first holds the embedding, the middle stages neither."""
+    cfg = parity.CFG.replace(tie_embeddings=True, n_layers=4)
+    validate_pipeline(cfg, 4, 4)
+    stages = [partition_model(build_model(cfg, seed=0), r, 4) for r in range(4)]
+    whole = build_model(cfg, seed=0).tok_emb.weight
+    for r, stage in enumerate(stages):
+        names = dict(stage.named_parameters())
+        assert ("tok_emb.weight" in names) == (r in (0, 3)) and "lm_head.weight" not in names
+        if r in (0, 3):
+            assert torch.equal(names["tok_emb.weight"], whole)
+    assert stages[3].lm_head.weight is stages[3].tok_emb.weight and stages[0].lm_head is None
 
 
 def test_layers_split_evenly_and_in_order() -> None:

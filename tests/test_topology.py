@@ -90,9 +90,9 @@ def test_coordinates_invert_the_rank_formula(shape) -> None:
 @pytest.mark.parametrize("shape", SHAPES_8 + SHAPES_4 + MORE_SHAPES)
 def test_groups_partition_the_world_along_their_dimension(shape) -> None:
     dims = _dims(shape)
-    varying = {"pp": {"pp"}, "dp": {"dp", "dp_cp", "ep", "edp"}, "cp": {"cp", "dp_cp", "ep", "edp"}, "tp": {"tp"},
-               "dp_cp": {"dp", "cp", "dp_cp", "ep", "edp"}, "ep": {"dp", "cp", "dp_cp", "ep"},
-               "edp": {"dp", "cp", "dp_cp", "edp"}, "world": set(GROUP_NAMES)}
+    varying = {"pp": {"pp", "tied"}, "dp": {"dp", "dp_cp", "ep", "edp"}, "cp": {"cp", "dp_cp", "ep", "edp"},
+               "tp": {"tp"}, "dp_cp": {"dp", "cp", "dp_cp", "ep", "edp"}, "ep": {"dp", "cp", "dp_cp", "ep"},
+               "edp": {"dp", "cp", "dp_cp", "edp"}, "tied": {"pp", "tied"}, "world": set(GROUP_NAMES)}
     for name in GROUP_NAMES:
         groups = group_ranks(dims, name)
         assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
@@ -109,6 +109,8 @@ def test_a_2x2x2_grid_by_hand() -> None:
     assert group_ranks(dims, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert group_ranks(dims, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert group_ranks(dims, "pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(dims, "tied") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # pp 2: the two ends are the pipeline
+    assert group_ranks(ParallelDims(pp=4), "tied") == [[0, 3], [1], [2]]  # the ends paired, the middle alone
 
 
 def test_world_size_one_has_no_groups_and_identity_comms() -> None:

@@ -114,7 +114,6 @@ def _error(world: int, **changes) -> str:
     (2, dict(tp=2, sp=True, seq_len=33, model_overrides=dict(MODEL, max_seq_len=64)), "seq_len=33 divisible"),
     (2, dict(pp=2, virtual_stages=2), "needs schedule='interleaved'"),
     (1, dict(virtual_stages=2), "needs --pp > 1"),
-    (2, dict(pp=2, model_overrides=dict(MODEL, tie_embeddings=True)), "tie_embeddings"),
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
 ])
 def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:

@@ -1,5 +1,6 @@
 """ZeRO-3 composed with tensor and pipeline parallelism, and tied embeddings across pipeline stages: every layout
-logs the one-process run's losses, gradient norms and validation losses. Beside the trainer runs, on the same
+logs the one-process run's losses, gradient norms and validation losses (and the replica check of the last step
+finds the two tied copies bitwise equal). Beside the trainer runs, on the same
 ranks: a pipeline stage's ZeRO-3 units are its own layers and a step gathers nothing else; the end-of-run gathering
 holds one unit at a time; the replica check still compares the slices of tp-replicated weights under ZeRO-3.
 One launch of 4 ranks runs every case."""
@@ -33,6 +34,16 @@ LAYOUTS = {
     "pp2 dp2 zero3 1f1b": dict(pp=2, dp=2, zero=3, schedule="1f1b"),
     "pp2 dp2 zero3 interleaved": dict(pp=2, dp=2, zero=3, schedule="interleaved", virtual_stages=2),
     "pp2 tp2 zero3 afab": dict(pp=2, tp=2, zero=3, schedule="afab"),
+}
+# Tied embeddings with pp: the first and last stage each hold a copy and sum their gradients. Plain dp, ZeRO-1/2
+# (the tied weight in a bucket of its own on both stages), ZeRO-3 with tp (a unit of its own), and middle stages.
+TIED = dict(MODEL, tie_embeddings=True)
+TIED_LAYOUTS = {
+    "tied pp2 dp2": dict(pp=2, dp=2),
+    "tied pp2 dp2 zero1": dict(pp=2, dp=2, zero=1),
+    "tied pp2 dp2 zero2 interleaved": dict(pp=2, dp=2, zero=2, schedule="interleaved", virtual_stages=2),
+    "tied pp2 tp2 sp zero3": dict(pp=2, tp=2, sp=True, zero=3),
+    "tied pp4 1f1b": dict(pp=4, schedule="1f1b"),
 }
 
 
@@ -130,9 +141,10 @@ def _replica_check(root: str) -> dict:
 
 def _rank_layouts(root: str) -> dict:
     results = {}
-    for name, changes in LAYOUTS.items():
+    layouts = {**LAYOUTS, **{k: dict(v, model_overrides=TIED) for k, v in TIED_LAYOUTS.items()}}
+    for name, changes in layouts.items():
         out = str(Path(root) / name.replace(" ", "_"))
-        summary = train.train(config(out, **changes))
+        summary = train.train(config(out, **changes))  # the last step's replica check compares the tied copies
         dist.barrier()  # rank 0 has written metrics.jsonl
         results[name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
     for case in (_stage_gathers, _final_gather, _replica_check):
@@ -156,8 +168,16 @@ def reference(tmp_path_factory) -> list[dict]:
     return trainer_parity.single_process_records(str(tmp_path_factory.mktemp("single")), config)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_logs_the_single_process_run(name, results, reference) -> None:
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory) -> list[dict]:
+    return trainer_parity.single_process_records(str(tmp_path_factory.mktemp("single_tied")),
+                                                 functools.partial(config, model_overrides=TIED))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(TIED_LAYOUTS))
+def test_layout_logs_the_single_process_run(name, results, reference, tied_reference) -> None:
+    """Losses, gradient norms (the tied weight counted once) and validation losses of one process."""
+    reference = tied_reference if name in TIED_LAYOUTS else reference
     trainer_parity.assert_logs_match(name, results[0][name]["records"], reference)
     for r in results:
         assert r[name]["losses"] == results[0][name]["losses"]

@@ -138,8 +138,9 @@ class Bucket:
 
 
 def assign_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int = 4,
-                   pad_to: int = 1) -> list[Bucket]:
-    """Group parameters into buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own).
+                   pad_to: int = 1, alone: Callable[[nn.Parameter], bool] = lambda p: False) -> list[Bucket]:
+    """Group parameters into buckets of at most `bucket_bytes` (a larger parameter, or one `alone` says, gets a
+    bucket of its own).
 
     Parameters are taken in reverse registration order: backward produces gradients roughly from the last layer to
     the first, so the first bucket fills first and its all-reduce can start while earlier layers still compute.
@@ -150,11 +151,13 @@ def assign_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_byte
     size = 0
     for name, param in reversed(list(named_params)):
         nbytes = param.numel() * element_size
-        if groups[-1] and size + nbytes > bucket_bytes:
+        if groups[-1] and (size + nbytes > bucket_bytes or alone(param)):
             groups.append([])
             size = 0
         groups[-1].append((name, param))
         size += nbytes
+        if alone(param):
+            size = bucket_bytes  # the next parameter starts a new bucket
     return [Bucket(i, g, pad_to) for i, g in enumerate(groups) if g]
 
 

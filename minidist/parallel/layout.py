@@ -8,13 +8,16 @@ full tensor it is. `parallelize` attaches that answer to every parameter as `par
 - `splits`: the groups over which the full tensor is cut into equal slices (tensor parallel: "tp"), each with the
   dimension, this rank's slice and the number of ranks of that group holding a copy of the same slice (a key/value
   head replicated because there are fewer kv heads than tp ranks);
-- `stage`: the pipeline stage that holds the parameter (pipeline parallelism partitions whole parameters);
+- `stage`: the pipeline stage that holds the parameter (pipeline parallelism partitions whole parameters; a tied
+  embedding is the exception: the first and last stages each hold a copy, recorded as a whole-tensor split over the
+  "tied" group with 2 replicas, see `minidist.parallel.tied`);
 - `replicated_over`: the groups whose ranks all hold the same values (data parallel replicas: "dp_cp").
 
 A rule every reader relies on: a global sum over the model (of squares, for the norm) must count each element of
 the full model exactly once. Shards are disjoint, so they are summed over their group; copies are not, so each
 copy is weighted by 1 / (number of copies). `grad_norm` is the only gradient norm in the package; every layout
-hands it its pieces.
+hands it its pieces. A group that lies inside another (`WITHIN`: the "tied" pair of pipeline ends inside pp) counts
+its copies whenever the enclosing group is summed over.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch
 from torch import nn
 
 from minidist.comm import Comm
+
+# Groups whose ranks are all ranks of another group: a copy over the first is a copy within the second.
+WITHIN = {"tied": "pp"}
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,11 @@ class Placement:
 
     def copies(self, groups: Iterable[str]) -> int:
         """How many ranks of the given groups hold this same slice (1 for a pure shard)."""
+        groups = set(groups)
         count = 1
-        for group in groups:
-            if group in self.splits:
-                count *= self.splits[group].replicas
+        for group, split in self.splits.items():
+            if group in groups or WITHIN.get(group) in groups:
+                count *= split.replicas
         return count
 
     def with_split(self, group: str, split: Split) -> Placement:

@@ -44,6 +44,7 @@ from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.expert import apply_expert_parallel, is_expert_param, validate_expert_parallel
 from minidist.parallel.expert_grads import ExpertReplicas
 from minidist.parallel.layout import Placement, clip_grad_norm_, placement_of
+from minidist.parallel.tied import TiedGrads, tie_across_stages
 from minidist.parallel.zero import ZeroOptimizer
 from minidist.topology import ParallelDims, Topology
 
@@ -113,6 +114,7 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     else:
         model = materialize(model)
     _record_placement(model, topo)
+    tied = tie_across_stages(model, topo) if topo.size("pp") > 1 else None  # before ZeRO lays out the buckets
     optimizer, grad_sync = make_optimizer(model), None
     if topo.size("ep") > 1:  # 5. data parallel in two groups: dense over dp_cp, experts over edp (ZeRO in each)
         grad_sync = ExpertReplicas(model, optimizer, topo, stage=options.zero)
@@ -122,7 +124,7 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     elif topo.size("dp_cp") > 1:  # 5. plain data parallel: averaged gradients, the unsharded optimizer
         grad_sync = DataParallel(model, topo.comm("dp_cp"))
     return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0,
-                         grad_sync=grad_sync, context=context)
+                         grad_sync=grad_sync, context=context, tied=tied)
 
 
 def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: ParallelOptions,
@@ -155,11 +157,12 @@ class ParallelModel:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
                  loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False,
                  grad_sync: DataParallel | ZeroOptimizer | ExpertReplicas | None = None,
-                 context: object | None = None) -> None:
+                 context: object | None = None, tied: TiedGrads | None = None) -> None:
         """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest.
         `grad_sync` reduces gradients over the replicas: a DataParallel, or the ZeroOptimizer that is also
         `optimizer`, or with expert parallelism an ExpertReplicas (also `optimizer` under ZeRO); None with one
-        replica. `context` (a `ContextParallel`) shards each sequence over cp ranks."""
+        replica. `context` (a `ContextParallel`) shards each sequence over cp ranks. `tied` sums a tied
+        embedding's gradient over its copies on the first and last pipeline stage."""
         topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
         self.model, self.optimizer, self.topo = model, optimizer, topo
         self.grad_sync = grad_sync
@@ -171,12 +174,14 @@ class ParallelModel:
         self.context = context  # context parallel: which tokens of each sequence this rank keeps (None: all)
         self.replicas = topo.comm("dp_cp") if topo.size("dp_cp") > 1 else None
         self.model_groups = {name: topo.comm(name) for name in ("tp", "pp") if topo.size(name) > 1}
+        self.tied, self._tied_pending = tied, False
 
     # -- the step ---------------------------------------------------------------------------------------------------
 
     def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
         """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches."""
         batches, positions = self._local_tokens(batches)
+        self._tied_pending = self.tied is not None
         count = self._global_sum(count_targets(batches))
         replicas = self.replicas.size if self.replicas is not None else 1
         loss_scale = (replicas / count).float()
@@ -211,7 +216,15 @@ class ParallelModel:
         return total, (aux_total / len(batches)).item()
 
     def grad_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
-        """This rank's gradient pieces and the groups over which they are disjoint (what the norm sums over)."""
+        """This rank's gradient pieces and the groups over which they are disjoint (what the norm sums over); a
+        tied embedding's copies hold the sum of both stages' gradients (summed once per step)."""
+        pieces, groups = self._reduced_pieces()
+        if self._tied_pending:
+            self.tied.sum_(pieces)
+            self._tied_pending = False
+        return pieces, groups
+
+    def _reduced_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
         if self.grad_sync is not None:
             self.grad_sync.finish_grad_sync()
         if self.zero is not None:  # this rank's slices of the gradient shards: disjoint over dp_cp too
@@ -229,6 +242,8 @@ class ParallelModel:
 
     def step(self) -> None:
         """The optimizer step, then the MoE router biases (from expert loads summed over all replicas)."""
+        if self._tied_pending:  # not clipped: the tied gradients still need their sum
+            self.grad_pieces()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if isinstance(self.grad_sync, (DataParallel, ExpertReplicas)):

@@ -91,9 +91,6 @@ def check_partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> None:
         fits = [v for v in range(1, cfg.n_layers // pp + 1) if cfg.n_layers % (pp * v) == 0]
         raise ValueError(f"virtual_stages={virtual_stages} does not divide the layers per stage "
                          f"(n_layers={cfg.n_layers} / pp={pp}); virtual_stages in {fits} would fit")
-    if pp > 1 and cfg.tie_embeddings:
-        raise ValueError("tie_embeddings=True puts one weight on the first and last pipeline stages, which this "
-                         "pipeline does not synchronize; set tie_embeddings=False or pp=1")
 
 
 def chunk_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
@@ -126,7 +123,10 @@ class StageModule(Transformer):
         self.layers = {c: list(layers[c]) for c in self.chunks}
         self.has_first, self.has_last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         mine = {i for c in self.chunks for i in self.layers[c]}
-        self.tok_emb = model.tok_emb if self.has_first else None
+        # A tied head's weight is the embedding's: the last stage keeps it under its one-process name (the
+        # embedding module is never called there); the two copies are kept equal by minidist.parallel.tied.
+        tied = self.has_last and model.lm_head.weight is model.tok_emb.weight
+        self.tok_emb = model.tok_emb if self.has_first or tied else None
         self.pos_emb = model.pos_emb if self.has_first else None
         self.rotary = model.rotary  # buffers only: every stage turns positions into cos/sin itself
         self.blocks = nn.ModuleList(block if i in mine else None for i, block in enumerate(model.blocks))

@@ -52,6 +52,7 @@ from minidist.parallel.data_parallel import (
     assign_buckets,
 )
 from minidist.parallel.layout import GradPiece, clip_grad_norm_, placement_of
+from minidist.parallel.tied import is_tied
 from minidist.parallel.timeline import Timeline
 from minidist.parallel.zero_bytes import PeakBytes, storage_bytes
 from minidist.parallel.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
@@ -115,7 +116,8 @@ class ZeroOptimizer:
             self.params: ParamHome = ShardedParams(model, comm, self.buckets, modules,
                                                    self.transient["gathered_params"], prefetch)
         else:
-            self.buckets = assign_buckets(named, bucket_bytes, pad_to=comm.size)
+            # a tied embedding's copies (first and last pipeline stage) need the same flat layout: a bucket alone
+            self.buckets = assign_buckets(named, bucket_bytes, pad_to=comm.size, alone=is_tied)
             self.params = FlatParams(self.buckets, comm) if stage > 0 else ParamHome()
         self.grads = DataParallel(model, comm, overlap=overlap, timeline=timeline, buckets=self.buckets,
                                   reduction=self._reduction(), params=named)
