@@ -7,15 +7,18 @@ size, a batch that does not split over the replicas, a model that cannot be cut 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from minidist.debug.recorder import FlightRecorder, recording
 from minidist.topology import ParallelDims, Topology
 from minidist.train_config import ConfigError, TrainConfig, model_config
 
@@ -86,12 +89,13 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
 
 
 def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
-                     timeout_s: float | None = None) -> tuple[Topology, bool]:
+                     timeout_s: float | None = None, recorder: FlightRecorder | None = None) -> tuple[Topology, bool]:
     """Join the process group (unless world size 1, or already joined) and slice the rank grid into groups.
 
     `timeout_s` bounds every collective of every group (the world group when this call creates it, and each group
     of the grid): a peer that stops answering ends the job instead of hanging it. Returns the topology and
-    whether this call created the default group (the caller destroys it at the end).
+    whether this call created the default group (the caller destroys it at the end). Every Comm of the topology
+    records its calls into `recorder`, if given.
     """
     created = False
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
@@ -101,7 +105,23 @@ def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
                                 device_id=device if device.type == "cuda" else None,
                                 world_size=env.world_size, timeout=timeout)
         created = True
-    return Topology(dims, env.rank, env.world_size, timeout=timeout), created
+    return Topology(dims, env.rank, env.world_size, timeout=timeout, recorder=recorder), created
+
+
+@contextlib.contextmanager
+def joined(dims: ParallelDims, env: DistEnv, device: torch.device, cfg: TrainConfig) -> Iterator[Topology]:
+    """The run's process groups (`init_distributed`, bounded by --comm-timeout) with a flight recorder: when the
+    block raises (a collective past the timeout raises in the rank; bad settings excepted), or on SIGTERM or
+    SIGUSR1, each rank writes its recent calls to OUT/flight/rank{R}.json (`minidist.debug.recorder`). The default
+    group is destroyed at the end if this call created it."""
+    recorder = FlightRecorder(env.rank) if env.world_size > 1 else None
+    topo, created = init_distributed(dims, env, device, timeout_s=cfg.comm_timeout, recorder=recorder)
+    try:
+        with recording(recorder, Path(cfg.out), env.rank, ignore=(ConfigError,)):
+            yield topo
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def barrier_for(device: torch.device) -> Callable[[], None]:

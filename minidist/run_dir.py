@@ -19,7 +19,7 @@ from minidist import checkpoint
 from minidist.train_config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
-RUN_FILES = (*RUN_MARKERS, "loss.png")  # what the trainer writes, and all that --overwrite removes
+RUN_FILES = (*RUN_MARKERS, "loss.png", "flight")  # what the trainer writes, and all that --overwrite removes
 
 
 def check_out(cfg: TrainConfig) -> None:

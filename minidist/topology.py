@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from minidist.comm import Comm, Ledger
+
+if TYPE_CHECKING:
+    from minidist.debug.recorder import FlightRecorder
 
 GRID_ORDER = ("pp", "dp", "cp", "tp")  # slowest to fastest varying
 GROUP_NAMES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "tied", "world")
@@ -144,17 +148,19 @@ class Topology:
     `dist.new_group` call must be made by all ranks in the same order. With world_size 1 no process group is
     created (`group()` returns None and `minidist.comm.Comm` treats the group as a single rank). `timeout`: how long
     any collective of the groups made here may wait for a peer before it raises (None: torch's default, 30 min
-    under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
+    under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`). `recorder`:
+    the flight recorder every `comm()` records into (None: no recording).
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int,
-                 timeout: datetime.timedelta | None = None) -> None:
+                 timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None) -> None:
         dims.validate(world_size)
         if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
             actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
             raise ValueError(f"Topology for {world_size} ranks needs torch.distributed initialised with "
                              f"{world_size} ranks (it has {actual})")
         self.dims = dims
+        self.recorder = recorder  # every Comm of `comm()` records its calls here (minidist.debug.recorder)
         self.rank = rank
         self.world_size = world_size
         self.coords = coordinates(dims, rank)
@@ -200,7 +206,7 @@ class Topology:
 
     def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
         """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
-        return Comm(self.group(name), ledger, name=name)
+        return Comm(self.group(name), ledger, name=name, recorder=self.recorder)
 
     @property
     def pp_prev_rank(self) -> int | None:

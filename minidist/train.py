@@ -16,7 +16,8 @@ Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigra
 peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer
 step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
 `grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
-`aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.checkpoint).
+`aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.checkpoint); on a failure,
+a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.debug.recorder`; `python -m minidist.debug diff`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minidist import faults, flops, health, memory, metrics, precision, replicas, run_dir, run_state, shard_build
 from minidist.compiling import compile_blocks
 from minidist.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
-from minidist.distributed import DistEnv, barrier_for, init_distributed, pick_device, resolve_parallel_dims
+from minidist.distributed import DistEnv, barrier_for, joined, pick_device, resolve_parallel_dims
 from minidist.model import ModelConfig
 from minidist.optim import WarmupCosine, build_optimizer
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
@@ -95,14 +95,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
     device = pick_device(cfg.device, env)
-    topo, created_group = init_distributed(dims, env, device, timeout_s=cfg.comm_timeout)
-    try:
+    with joined(dims, env, device, cfg) as topo:  # the process groups; on a failure each rank writes OUT/flight/
         run = setup(cfg, env, topo, device)
         resume(run)
         return train_loop(run)
-    finally:
-        if created_group:
-            dist.destroy_process_group()
 
 
 def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) -> Run:

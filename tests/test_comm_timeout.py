@@ -1,13 +1,17 @@
 """No silent hang: a rank that stops answering ends a torchrun job within --comm-timeout plus torchrun's teardown,
-with one line naming the collective and its group. The stopped rank is frozen from outside (SIGSTOP, as a hung
-driver or a swapped-out host would), found among torchrun's children by its RANK; the package has no hook for it."""
+with one line naming the collective and its group, and leaves rank 0's flight record in OUT, whose diff names the
+frozen rank. The stopped rank is frozen from outside (SIGSTOP, as a hung driver or a swapped-out host would), found
+among torchrun's children by its RANK; the package has no hook for it."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from minidist.debug.diff import diff, load
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10
@@ -60,3 +64,12 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     assert took < TIMEOUT_S + 60
     lines = [line for line in stderr.splitlines() if line.startswith("error: rank 0:")]
     assert lines and "over group" in lines[0] and "failed" in lines[0], stderr[-2000:]
+    # Rank 0 wrote its flight record on the way out; the frozen rank could not, and the diff names it.
+    out = tmp_path / "run"
+    record = json.loads((out / "flight" / "rank0.json").read_text())
+    last = record["records"][-1]
+    assert 1 in last["ranks"] and record["reason"].startswith("RuntimeError"), record["reason"]
+    assert f"flight record in {out / 'flight' / 'rank0.json'}" in stderr
+    findings = diff(load(out))
+    assert [(f.kind, f.rank) for f in findings] == [("no-record", 1)], [f.message for f in findings]
+    assert last["site"] in findings[0].message

@@ -181,6 +181,8 @@ def test_overwrite_removes_only_the_trainers_files(run, tmp_path):
     shutil.move(run / "checkpoints", elsewhere)
     (run / "checkpoints").symlink_to(elsewhere)
     (run / "loss.png").write_bytes(b"old plot")
+    (run / "flight").mkdir()  # a failed run's flight records
+    (run / "flight" / "rank1.json").write_text("{}")
     (run / "notes.txt").write_text("keep me")
     (run / "data").mkdir()
     (run / "data" / "corpus.txt").write_text("mine")
@@ -213,7 +215,7 @@ def cli(monkeypatch, capsys):
     def built(*args, **kwargs):
         raise AssertionError("the run was built before its input was checked")
 
-    monkeypatch.setattr(train, "init_distributed", built)
+    monkeypatch.setattr(train, "joined", built)
     monkeypatch.setattr(train, "setup", built)
 
     def main(argv: list[str]) -> str:
