@@ -22,7 +22,8 @@ its group, so each owner writes its own. meta.json lists every piece (name, full
 file, position, runs). The runs are stored compressed as groups (start, length, count, stride): a rectangle is one
 group per row-major level outside its last split dim (a matrix split on its last dim: one group, whatever its rows),
 a ZeRO range at most three, so the index grows with the number of pieces (parameters × shards), not with elements
-or rows (the test model's 21 tensors on one process: 21 entries, meta.json 8.7 kB).
+or rows (tests/test_reshard.py's model, 39 tensors: 39 entries on one process, 69 under tp2, 44 under dp2
+ZeRO-3, each one group; meta.json 15-25 kB).
 
 Loading in another layout: each rank computes the runs of everything it now holds (parameters, each optimizer state
 tensor shaped like one, persistent buffers such as the MoE router biases), finds the pieces of meta.json whose runs

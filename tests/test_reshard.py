@@ -5,7 +5,7 @@ checkpoints, read back whole by `read_full_model`, must be the one-process run's
 Chains of 6 steps (each arrow a --stop-after checkpoint, then --resume in the next layout):
 
     A    dp2 --2--> tp2 --4--> pp2
-    B    pp2 --2--> dp2 ZeRO-1 --4--> 1 process
+    B    pp2 x 2 virtual stages --2--> dp2 ZeRO-1 --4--> 1 process
     C    1 process --2--> dp2 ZeRO-3 --4--> cp2 --5--> 1 process
     MoE  dp2 ep2 ZeRO-1 --3--> 1 process          (the router biases are buffers, resumed by name)
 
@@ -26,7 +26,7 @@ from minidist.distributed import DistEnv, init_distributed, resolve_parallel_dim
 from minidist.launch import run_ranks
 from minidist.train import ConfigError, TrainConfig
 
-MODEL = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32}
+MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32}
 MOE = {**MODEL, "moe": {"n_experts": 4, "top_k": 2, "d_expert": 32, "bias_update_speed": 0.01}}
 
 
@@ -41,7 +41,7 @@ def config(out: str, **changes) -> TrainConfig:
 # chain: [(layout or None for one process, stop after), ...]; the last segment runs to the end
 CHAINS = {
     "A": [(dict(dp=2), 2), (dict(tp=2), 4), (dict(pp=2), 0)],
-    "B": [(dict(pp=2), 2), (dict(dp=2, zero=1), 4), (None, 0)],
+    "B": [(dict(pp=2, virtual_stages=2, schedule="interleaved"), 2), (dict(dp=2, zero=1), 4), (None, 0)],
     "C": [(None, 2), (dict(dp=2, zero=3), 4), (dict(cp=2), 5), (None, 0)],
     "MoE": [(dict(dp=2, ep=2, zero=1, model_overrides=MOE), 3), (dict(model_overrides=MOE), 0)],
 }
@@ -58,7 +58,8 @@ def is_multi(layout: dict | None) -> bool:
 
 # A checkpoint loaded in another layout and saved again at once: (chain, step, name, layout). The written pieces
 # differ (other files, other runs); read whole they must be the same bits: values and optimizer state.
-RESAVES = [("A", 4, "tp2 to pp2", dict(pp=2)), ("A", 4, "tp2 to dp2 zero3", dict(dp=2, zero=3)),
+RESAVES = [("A", 4, "tp2 to pp2 interleaved", dict(pp=2, virtual_stages=2, schedule="interleaved")),
+           ("A", 4, "tp2 to dp2 zero3", dict(dp=2, zero=3)),
            ("B", 4, "dp2 zero1 to tp2", dict(tp=2)),
            ("MoE", 3, "dp2 ep2 zero1 to dp2 ep2", dict(dp=2, ep=2, model_overrides=MOE)),
            ("MoE", 3, "dp2 ep2 zero1 to 1 process", dict(model_overrides=MOE))]
