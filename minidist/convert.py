@@ -119,6 +119,8 @@ def from_hf(hf_dir: Path, run_out: Path, trainer_args: Sequence[str] = (), rope_
         run_dir.check_out(cfg)  # an OUT holding a run is refused, never replaced
     except ConfigError as e:
         raise ConvertError(str(e)) from None
+    if (Path(run_out) / FINETUNE_TOML).exists():
+        raise ConvertError(f"{Path(run_out) / FINETUNE_TOML} exists; give a new RUN_OUT (nothing is replaced)")
     text = finetune_toml(cfg)
     _save_step0(dataclasses.replace(cfg, device="cpu"), state)
     path = Path(run_out) / FINETUNE_TOML
@@ -189,10 +191,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m minidist.convert", description=__doc__.split("\n\n")[0],
+    parser = _Parser(prog="python -m minidist.convert", description=__doc__.split("\n\nThe conversion itself")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="Supported: Llama-family models (SwiGLU, RMSNorm, RoPE, no biases, MHA/GQA/MQA, tied or "
-                            "untied embeddings, rope_type default, linear or yarn). Refused in one line: other "
-                            "architectures, biases, other activations, attention dropout, other RoPE types.")
+                            "untied embeddings,\nrope_type default, linear or yarn). Refused in one line: other "
+                            "architectures, biases, other activations,\nattention dropout, other RoPE types.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     to = sub.add_parser("to-hf", help="the latest checkpoint of a run (any layout) -> a Hugging Face directory",
                         description="Write the latest checkpoint of RUN_OUT (any parallel layout) as config.json + "
