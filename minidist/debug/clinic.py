@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.comm import Comm, Handle
-from minidist.debug.diff import diff, load, report
+from minidist.debug.diff import FlightError, diff, load, report
 from minidist.debug.recorder import FlightRecorder, describe_exception, flight_path
 from minidist.launch import RankFailed, run_ranks
 from minidist.parallel.pipeline_p2p import peer_of
@@ -56,8 +56,15 @@ def run_hang(name: str, out: Path, timeout_s: float = 3.0) -> str:
             run_ranks(run_rank, WORLD, name, str(out), timeout_s, timeout=timeout_s + 60, threads_per_rank=1,
                       case=f"hang {name}"))]
     except RankFailed as e:  # a rank gloo aborted: its record is the one written before its last call
-        ends = [str(e).splitlines()[0]]
-    dumps = load(out)
+        ends, failure = [str(e).splitlines()[0]], e
+    else:
+        failure = None
+    try:
+        dumps = load(out)
+    except FlightError:
+        if failure is not None:
+            raise failure from None  # the ranks did not even get to write: not one of the clinic's hangs
+        raise
     return "\n".join(["how the ranks ended: " + "; ".join(ends), report(dumps, diff(dumps))])
 
 

@@ -131,6 +131,7 @@ def describe_exception(exc: BaseException) -> str:
     """One line for the record's `reason`: the exception's type and its first line, cut to 200 characters."""
     first = (str(exc).strip().splitlines() or [""])[0]
     first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[/path/to/pair.cc:537] " source location
+    first = first.split(". This is typically")[0]  # and gloo's advice after it
     return f"{type(exc).__name__}: {first}"[:200]
 
 
@@ -158,7 +159,7 @@ def recording(recorder: FlightRecorder | None, out: Path, rank: int,
     except ignore:
         raise
     except BaseException as exc:
-        recorder.write(path, describe_exception(exc))
+        _announce(recorder.write(path, describe_exception(exc)), out, rank)
         raise
     finally:
         if watcher is not None:
@@ -192,7 +193,8 @@ class _SignalWatcher:
                 if signum not in self.taken:
                     continue
                 name = signal.Signals(signum).name
-                self.recorder.write(self.path, f"signal {name}")
+                _announce(self.recorder.write(self.path, f"signal {name}"), self.path.parent.parent,
+                          self.recorder.rank)
                 if signum == signal.SIGTERM:
                     # End as SIGTERM's default action would (torchrun is stopping the job); 128 + n is the shell's
                     # code for "killed by signal n". A thread cannot restore the default handler itself.
@@ -206,6 +208,11 @@ class _SignalWatcher:
         self.thread.join(timeout=5)
         os.close(self.read_fd)
         os.close(self.write_fd)
+
+
+def _announce(path: Path, out: Path, rank: int) -> None:
+    print(f"rank {rank}: flight record in {path}; line the ranks up with: python -m minidist.debug diff {out}",
+          file=sys.stderr, flush=True)
 
 
 def _note(signum: int, frame: Any) -> None:
