@@ -189,7 +189,7 @@ def local_pieces(parallel: Any, topo: Any) -> list[Piece]:
         for name, start, stop, key in engine.owned_ranges():
             param = params[name]
             placement = engine.placements[id(param)]
-            shape = tuple(param.shape) if param.numel() else _local_shape(placement, topo)
+            shape = tuple(param.shape) if param.numel() else _local_shape(placement)
             runs = sub_runs(placement_runs(placement, shape), start, stop)
             pieces.append(Piece(name, tuple(placement.full_shape), runs, key.view(-1), engine.optimizer, key,
                                 _first_holder(placement, topo, INSIDE[engine.comm.name])))
@@ -221,7 +221,7 @@ def _first_holder(placement: Placement, topo: Any, covered: set[str]) -> bool:
     return all(topo.coord(group) == 0 for group in placement.replicated_over if group not in covered)
 
 
-def _local_shape(placement: Placement, topo: Any) -> tuple[int, ...]:
+def _local_shape(placement: Placement) -> tuple[int, ...]:
     """A ZeRO-3 parameter's local (tp/ep-sharded) shape from its placement (its tensor is empty)."""
     shape = list(placement.full_shape)
     for split in placement.splits.values():
@@ -285,8 +285,12 @@ class PieceReader:
               and _int_lists(entry.get("runs"), 2))
         if not ok:
             raise ValueError(f"{where} is malformed (name, file, position, shape, kinds, runs)")
-        runs = expand(entry["runs"])
         numel = int(torch.tensor(entry["shape"], dtype=torch.int64).prod()) if entry["shape"] else 1
+        groups = entry["runs"]
+        if any(len(g) != 4 or g[1] < 1 or g[2] < 1 or g[3] < 0 for g in groups) or sum(g[2] for g in groups) > numel:
+            raise ValueError(f"{where} of {entry['name']} has run groups that are not [start, length >= 1, count "
+                             f">= 1, stride >= 0] or more runs than its {numel} elements")  # before expanding them
+        runs = expand(groups)
         ends = runs[:, 0] + runs[:, 1]
         if len(runs) == 0 or (runs[:, 1] <= 0).any() or (runs[:, 0] < 0).any() or ends[-1] > numel or (
                 ends[:-1] > runs[1:, 0]).any():

@@ -208,6 +208,8 @@ def test_missing_elements_and_bad_stop_after_are_one_line(chains, tmp_path) -> N
         reshard.PieceReader(step_dir, {**meta, "pieces": [{**meta["pieces"][0], "runs": [[5, 3, 1, 0],
                                                                                          [0, 3, 1, 0]]}]})
     assert train.parse_config(["--stop-after", "3", "--steps", "6"]).stop_after == 3
+    with pytest.raises(ValueError, match="more runs than"):  # refused before 10^12 runs are expanded
+        reshard.PieceReader(step_dir, {**meta, "pieces": [{**meta["pieces"][0], "runs": [[0, 1, 10**12, 1]]}]})
     with pytest.raises(ConfigError, match="stop-after 7 is outside"):
         train.train(config(str(tmp_path / "x"), stop_after=7))
     with pytest.raises(ConfigError, match="already at or past --stop-after 2"):
