@@ -21,6 +21,7 @@ from parity import (
     SEQ_LEN,
     assert_grads_match,
     assert_losses_match,
+    assert_norms_match,
     global_batch,
     make_optimizer,
     reference_run,
@@ -216,8 +217,7 @@ def test_parity_with_one_process(world_size: int, label: str, one_thread) -> Non
     for rank_out in results(world_size):
         run = rank_out[label]
         assert_losses_match(run["losses"], reference["losses"], label)
-        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["grad_norms"]),
-                                   rtol=1e-4, atol=1e-6, msg=f"{label}: global grad norm")
+        assert_norms_match(run["norms"], reference["grad_norms"], f"{label}: global grad norm")
         if run["grads"] is not None:
             assert_grads_match(run["grads"], {n: reference["grads"][n] for n in run["grads"]}, label)
             held |= set(run["grads"])

@@ -37,8 +37,7 @@ def test_layout_matches_one_device(world: int, name: str) -> None:
         label = f"{name}, rank {rank}"
         parity.assert_losses_match(got["losses"], want["losses"], label)
         assert all(_close(g, w) for g, w in zip(got["aux"], want["aux"])), (label, got["aux"], want["aux"])
-        assert all(_close(g, w, 1e-5, 1e-6) for g, w in zip(got["norms"], want["norms"])), \
-            (label, got["norms"], want["norms"])
+        parity.assert_norms_match(got["norms"], want["norms"], label)
         for step, (g, w) in enumerate(zip(got["stats"], want["stats"])):
             assert g.keys() == w.keys(), (label, g, w)
             bad = {k: (g[k], w[k]) for k in w if not _close(g[k], w[k], STAT_RTOL, 1e-7)}

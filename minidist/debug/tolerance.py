@@ -47,15 +47,17 @@ def rel_tol(dtype: str = "fp32", steps: int = 1) -> float:
 
 
 def close(got: list[float] | torch.Tensor, want: list[float] | torch.Tensor, dtype: str = "fp32",
-          steps: int | None = None) -> bool:
-    """Each got[i] within rel_tol(dtype, i + 1) of want[i] (a figure per step), or all within rel_tol(dtype, steps)
-    when `steps` is given (figures of one step, or of a whole run)."""
+          steps: int | list[int] | None = None) -> bool:
+    """Every got[i] within rel_tol(dtype, steps of figure i) of want[i]. `steps`: None for one figure per step
+    (figure i after i + 1 steps), an int for figures all after that many steps, or one step count per figure."""
     got = torch.as_tensor(got, dtype=torch.float64).flatten()
     want = torch.as_tensor(want, dtype=torch.float64).flatten()
     if got.shape != want.shape:
         return False
-    step = torch.arange(1, len(want) + 1, dtype=torch.float64) if steps is None else torch.full_like(want, steps)
-    bound = SAFETY * K[dtype] * EPS[dtype] * step * want.abs()
+    if steps is None:
+        steps = list(range(1, len(want) + 1))
+    count = torch.as_tensor(steps, dtype=torch.float64).expand(want.shape)
+    bound = SAFETY * K[dtype] * EPS[dtype] * count * want.abs()
     return bool(((got - want).abs() <= bound).all())
 
 
