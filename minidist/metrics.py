@@ -24,10 +24,11 @@ class MetricsWriter:
             f.write(json.dumps(jsonable(record)) + "\n")
 
 
-def start_metrics(path: Path, keep_before: int) -> None:
-    """A fresh run (keep_before 0) creates the file and never truncates one (FileExistsError: OUT's checks let no
-    run through here). A run resumed at step keep_before keeps the records of the steps it does not redo."""
-    if not keep_before:
+def start_metrics(path: Path, keep_before: int | None) -> None:
+    """A fresh run (keep_before None) creates the file and never truncates one (FileExistsError: OUT's checks let no
+    run through here). A run resumed at step keep_before (0 too: a from-hf run, minidist.convert) keeps the records
+    of the steps it does not redo."""
+    if keep_before is None:
         open(path, "x").close()
         return
     kept = []

@@ -192,7 +192,7 @@ def resume(run: Run) -> None:
         run.start_step = run.info["resumed_from"] = step
         run.log(f"resumed from {run_state.checkpoint_dir(run.out / 'checkpoints', step)}")
     if run.is_main:
-        metrics.start_metrics(run.out / "metrics.jsonl", keep_before=step or 0)
+        metrics.start_metrics(run.out / "metrics.jsonl", keep_before=step)
 
 
 def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,

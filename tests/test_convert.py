@@ -266,7 +266,7 @@ def test_from_hf_run_fine_tunes_with_resume(tmp_path, one_thread, capsys):
     hf_config, hf_state = to_hf_state(cfg, state)
     hf_files.write_hf_dir(tmp_path / "hf", hf_config, hf_state)
     flags = ["--max-bytes", "50000", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--warmup-steps", "0",
-             "--eval-every", "0", "--peak-flops", "1e12", "--no-plot"]
+             "--eval-every", "0", "--ckpt-every", "0", "--peak-flops", "1e12", "--no-plot"]
     out = tmp_path / "ft"
     assert main(["from-hf", str(tmp_path / "hf"), str(out), *flags]) == 0
     summary = train.train(parse_config(["--config", str(out / "finetune.toml"), "--resume"]))
@@ -278,6 +278,10 @@ def test_from_hf_run_fine_tunes_with_resume(tmp_path, one_thread, capsys):
     with torch.no_grad():
         want = lm_loss(ref(input_ids=inputs).logits, targets).item()
     assert abs(summary["losses"][0] - want) < 1e-5, (summary["losses"][0], want)
+    # --ckpt-every 0 left only step 0: resuming from it again redoes the same steps and logs each once
+    again = train.train(parse_config(["--config", str(out / "finetune.toml"), "--resume"]))
+    assert again["losses"] == summary["losses"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
     # the same OUT again: refused in one line, nothing replaced
     capsys.readouterr()
