@@ -1,0 +1,137 @@
+"""The 5D parity matrix: dp, tp, pp, cp and ep composed, with ZeRO 1-3, MoE and dense models and the three
+schedules, each layout logging the one-process run (losses, gradient norms, validation losses; MoE: the balancing
+loss too).
+
+Not all products: a covering set. `MATRIX` is chosen so that every pair of the five dimensions is > 1 together in
+at least one layout, and every ZeRO stage 1-3, both model kinds and every schedule appear (on 8 ranks at most
+three of dp/tp/pp/cp exceed 1; ep is carved out of dp·cp). `test_the_matrix_covers_every_pair` computes that
+coverage from the table itself, and that no layout could be dropped without losing some of it.
+Two launches: 8 ranks for the layouts with three dimensions, 4 ranks for the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import trainer_parity
+
+from minidist import train
+from minidist.distributed import resolve_parallel_dims
+from minidist.launch import run_ranks
+from minidist.train import TrainConfig
+
+DIMS = ("dp", "tp", "pp", "cp", "ep")
+ZERO_STAGES, SCHEDULES, KINDS = (1, 2, 3), ("afab", "1f1b", "interleaved"), ("dense", "moe")
+DENSE = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+# dropless (context parallelism refuses a capacity factor), the aux-free bias on: its counts are summed over replicas
+MOE = dict(DENSE, moe={"n_experts": 4, "top_k": 2, "bias_update_speed": 0.05})
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # "dense" or "moe"
+    settings: dict = field(default_factory=dict)  # TrainConfig fields: dims, zero, schedule, sp, cp_impl, ...
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.settings.get(d, 1) for d in ("dp", "tp", "pp", "cp"))
+
+    @property
+    def name(self) -> str:
+        dims = " ".join(f"{d}{self.settings[d]}" for d in DIMS if self.settings.get(d, 1) > 1)
+        extra = " sp" if self.settings.get("sp") else ""
+        return f"{dims}{extra} zero{self.settings.get('zero', 0)} {self.settings.get('schedule', '-')} {self.kind}"
+
+    def on(self) -> set[str]:
+        return {d for d in DIMS if self.settings.get(d, 1) > 1}
+
+
+MATRIX = [
+    #      dims (> 1)                 ZeRO    schedule                          model
+    Layout("moe", dict(dp=2, tp=2, pp=2, ep=2, zero=1, schedule="1f1b")),
+    Layout("dense", dict(cp=2, tp=2, pp=2, sp=True, zero=3, schedule="interleaved", virtual_stages=2)),
+    Layout("moe", dict(dp=2, cp=2, ep=4, zero=2, cp_impl="allgather")),
+    Layout("moe", dict(dp=2, pp=2, ep=2, zero=3, schedule="afab")),
+]
+
+
+def coverage(layouts: list[Layout]) -> set[tuple]:
+    """What a set of layouts exercises: pairs of dimensions > 1 together, ZeRO stages, schedules, model kinds."""
+    covered: set[tuple] = set()
+    for layout in layouts:
+        covered |= {("pair", *p) for p in itertools.combinations(sorted(layout.on()), 2)}
+        covered.add(("zero", layout.settings.get("zero", 0)))
+        covered.add(("kind", layout.kind))
+        if layout.settings.get("pp", 1) > 1:
+            covered.add(("schedule", layout.settings.get("schedule", "1f1b")))
+    return covered
+
+
+def config(out: str, kind: str, **changes) -> TrainConfig:
+    """2 steps of batch 8 x 32 with clipping active; validation after each."""
+    settings = dict(model="tiny", model_overrides=dict(MOE if kind == "moe" else DENSE), max_bytes=100_000,
+                    batch_size=8, seq_len=32, microbatches=2, steps=2, warmup_steps=1, grad_clip=1.0, eval_every=1,
+                    eval_batches=1, log_every=100, ckpt_every=0, out=out, seed=0, peak_flops=1e12, plot=False)
+    return TrainConfig(**{**settings, **changes})
+
+
+def test_the_matrix_covers_every_pair() -> None:
+    want = ({("pair", *sorted(p)) for p in itertools.combinations(DIMS, 2)} | {("zero", z) for z in ZERO_STAGES}
+            | {("schedule", s) for s in SCHEDULES} | {("kind", k) for k in KINDS})
+    got = coverage(MATRIX)
+    assert want <= got, f"not covered: {sorted(want - got)}"
+    for layout in MATRIX:
+        assert coverage([m for m in MATRIX if m is not layout]) & want != want, f"{layout.name} adds nothing"
+        assert layout.world in (4, 8)
+        assert len(layout.on() - {"ep"}) <= 3
+        assert (layout.kind == "moe") >= (layout.settings.get("ep", 1) > 1)  # ep needs experts
+        resolve_parallel_dims(config("unused", layout.kind, **layout.settings), layout.world)  # a valid layout
+    assert len(MATRIX) < len(list(itertools.product(ZERO_STAGES, SCHEDULES, KINDS)))  # far below all products
+
+
+def _rank_runs(root: str, world: int) -> dict:
+    results = {}
+    for layout in (m for m in MATRIX if m.world == world):
+        out = str(Path(root) / layout.name.replace(" ", "_"))
+        summary = train.train(config(out, layout.kind, **layout.settings))
+        dist.barrier()  # rank 0 has written metrics.jsonl
+        results[layout.name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
+    return results
+
+
+@functools.lru_cache(maxsize=2)
+def _results(root: str, world: int) -> list[dict]:
+    return run_ranks(_rank_runs, world, root, world, timeout=900, threads_per_rank=1, case=f"5D matrix, {world} ranks")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("five_d"))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, list[dict]]:
+    """The one-process run of each model kind."""
+    return {kind: trainer_parity.single_process_records(str(tmp_path_factory.mktemp(kind)),
+                                                        functools.partial(config, kind=kind)) for kind in KINDS}
+
+
+@pytest.mark.parametrize("layout", MATRIX, ids=lambda m: m.name.replace(" ", "-"))
+def test_layout_matches_one_process(layout, root, references) -> None:
+    results = _results(root, layout.world)
+    records, reference = results[0][layout.name]["records"], references[layout.kind]
+    trainer_parity.assert_logs_match(layout.name, records, reference)
+    if layout.kind == "moe":
+        got, want = [r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-8), \
+            f"{layout.name}: aux_loss {got} != single process {want}"
+    for r in results:  # every rank returns the same (global) losses
+        assert r[layout.name]["losses"] == results[0][layout.name]["losses"]
+    assert reference[0]["grad_norm"] > 1.0  # clipping was active: a wrong norm would change the second loss
