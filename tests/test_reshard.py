@@ -7,7 +7,7 @@ Chains of 6 steps (each arrow a --stop-after checkpoint, then --resume in the ne
     A    dp2 --2--> tp2 --4--> pp2
     B    pp2 x 2 virtual stages --2--> dp2 ZeRO-1 --4--> 1 process
     C    1 process --2--> dp2 ZeRO-3 --4--> cp2 --5--> 1 process
-    MoE  dp2 ep2 ZeRO-1 --3--> 1 process          (the router biases are buffers, resumed by name)
+    MoE  dp2 ep2 ZeRO-2 --3--> 1 process          (the router biases are buffers, resumed by name)
 
 One launch of 2 ranks runs every multi-process segment; the one-process segments run here."""
 
@@ -43,7 +43,7 @@ CHAINS = {
     "A": [(dict(dp=2), 2), (dict(tp=2), 4), (dict(pp=2), 0)],
     "B": [(dict(pp=2, virtual_stages=2, schedule="interleaved"), 2), (dict(dp=2, zero=1), 4), (None, 0)],
     "C": [(None, 2), (dict(dp=2, zero=3), 4), (dict(cp=2), 5), (None, 0)],
-    "MoE": [(dict(dp=2, ep=2, zero=1, model_overrides=MOE), 3), (dict(model_overrides=MOE), 0)],
+    "MoE": [(dict(dp=2, ep=2, zero=2, model_overrides=MOE), 3), (dict(model_overrides=MOE), 0)],
 }
 
 
@@ -61,8 +61,8 @@ def is_multi(layout: dict | None) -> bool:
 RESAVES = [("A", 4, "tp2 to pp2 interleaved", dict(pp=2, virtual_stages=2, schedule="interleaved")),
            ("A", 4, "tp2 to dp2 zero3", dict(dp=2, zero=3)),
            ("B", 4, "dp2 zero1 to tp2", dict(tp=2)),
-           ("MoE", 3, "dp2 ep2 zero1 to dp2 ep2", dict(dp=2, ep=2, model_overrides=MOE)),
-           ("MoE", 3, "dp2 ep2 zero1 to 1 process", dict(model_overrides=MOE))]
+           ("MoE", 3, "dp2 ep2 zero2 to dp2 ep2", dict(dp=2, ep=2, model_overrides=MOE)),
+           ("MoE", 3, "dp2 ep2 zero2 to 1 process", dict(model_overrides=MOE))]
 
 
 def _rank_segments(root: str) -> None:
