@@ -294,10 +294,11 @@ def test_load_refuses_what_is_not_a_flight_record(tmp_path):
     (tmp_path / "flight" / "rank0.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(FlightError, match="not a flight record"):
         load(tmp_path)
-    bad = _dumps([{**_rec(0, "all_reduce", 0), "shape": "4"}])
-    _write(tmp_path, bad)
-    with pytest.raises(FlightError, match="record 0 is malformed"):
-        load(tmp_path)
+    for bad, what in (({"shape": "4"}, "shape"), ({"ranks": [2, 3]}, "ranks/shape"), ({"op": "send"}, "peer"),
+                      ({"op": "recv", "peer": 1, "batch": "x"}, "batch")):
+        _write(tmp_path, _dumps([{**_rec(0, "all_reduce", 0), **bad}]))
+        with pytest.raises(FlightError, match=rf"record 0 is malformed \({what}\)"):
+            load(tmp_path)
 
 
 def test_command_line_exit_codes_and_report(tmp_path, capsys):

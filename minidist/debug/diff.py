@@ -85,9 +85,16 @@ def _read(path: Path) -> dict[str, Any]:
         raise FlightError(f"{path}: needs an integer \"rank\" and a list \"records\"")
     for i, rec in enumerate(records):
         bad = [k for k, t in _FIELDS.items() if not isinstance(rec, dict) or not isinstance(rec.get(k), t)]
-        if bad or not all(isinstance(r, int) for r in rec["ranks"] + rec["shape"]) or rank not in rec["ranks"]:
-            raise FlightError(f"{path}: record {i} is malformed ({', '.join(bad) or 'ranks/shape'}); every record "
-                              f"needs {', '.join(_FIELDS)} with this rank among its ranks")
+        if not bad and not (all(isinstance(r, int) for r in rec["ranks"] + rec["shape"]) and rank in rec["ranks"]):
+            bad = ["ranks/shape"]
+        if not bad and rec["op"] in P2P_OPS and not (isinstance(rec.get("peer"), int) and rec["peer"] in rec["ranks"]):
+            bad = ["peer"]
+        if not bad and not (rec.get("batch") is None or isinstance(rec["batch"], int)):
+            bad = ["batch"]
+        if bad:
+            raise FlightError(f"{path}: record {i} is malformed ({', '.join(bad)}); every record needs "
+                              f"{', '.join(_FIELDS)} with this rank among its ranks (sends and receives: a peer among "
+                              "them, batch an integer or null)")
     return dump
 
 
