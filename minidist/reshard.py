@@ -31,7 +31,10 @@ intersect them, and copies the intersections (a merge walk of two sorted run lis
 needs: checked against meta.json's size and SHA-256 first, then `torch.load(weights_only=True, mmap=True)`, so
 the bytes read are those of the pieces that intersect. Every element must be found, or the load is refused in one
 line. A scalar such as Adam's step count is taken from the first piece read. The same layout resumes from the rank
-files as before (`ParallelModel.load_state_dict`), bit for bit; the values copied here are the same numbers.
+files as before (`ParallelModel.load_state_dict`), bit for bit; the values copied here are the same numbers (a
+resharded load saved again reads back bit for bit: tests/test_reshard.py). So each rank file still holds its rank's
+own state too, replicas included; the pieces are views of the same storages and add no bytes to it (except ZeRO-3's
+parameter shards, which its state dict clones).
 
 The run state that does not depend on the layout (LR schedule, sampler position: the global data order is the same
 in every layout) comes from rank 0's file; so do the random generators, for every rank: nothing in a training step
