@@ -153,6 +153,8 @@ def _collectives(name: str, ranks: tuple[int, ...], by_rank: dict[int, list[dict
                  dumps: dict[int, dict]) -> list[Finding]:
     calls = {r: {rec["index"]: rec for rec in by_rank.get(r, []) if rec["op"] not in P2P_OPS}
              for r in ranks if r in dumps}
+    # A rank whose ring dropped calls and kept none of this group's cannot be compared: its calls may have left it.
+    calls = {r: c for r, c in calls.items() if c or not dumps[r].get("dropped")}
     if len(calls) < 2 or not any(calls.values()):
         return []
     # Older calls may have left a ring: compare from the first index every rank still holds.
