@@ -77,6 +77,7 @@ def to_hf(run_out: Path, hf_dir: Path) -> Path:
     """Write the latest checkpoint of RUN_OUT as a Hugging Face Llama checkpoint in HF_DIR; return its step dir."""
     from minidist.reshard import read_full_model
 
+    hf_files.check_new_dir(hf_dir)  # before the (long) read of the checkpoint
     step_dir, cfg = latest_checkpoint(run_out)
     try:
         state = read_full_model(step_dir)

@@ -42,6 +42,7 @@ ROTATED = ("attn.wq.weight", "attn.wk.weight")  # output rows in the RoPE layout
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Older checkpoints stored this derived buffer; it is recomputed from the config, so it is skipped.
 DERIVED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
+MAX_LAYERS = 4096
 
 
 def hf_name(name: str) -> str:
@@ -223,6 +224,9 @@ def model_config_from_hf(config: dict[str, Any], rope_layout: str = "half") -> M
     ints = {key: _positive_int(config, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
                                                         "num_hidden_layers", "num_attention_heads",
                                                         "max_position_embeddings")}
+    if ints["num_hidden_layers"] > MAX_LAYERS:  # the names a config implies are listed before any file is read
+        raise ConvertError(f"config.json num_hidden_layers={ints['num_hidden_layers']} is more than {MAX_LAYERS}; "
+                           "no Llama has that many (Llama 3.1 405B has 126)")
     heads = ints["num_attention_heads"]
     kv_heads = _positive_int(config, "num_key_value_heads", heads)
     if ints["hidden_size"] % heads or heads % kv_heads:

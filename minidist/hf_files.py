@@ -70,12 +70,18 @@ def read_weights(hf_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
     return state
 
 
-def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """config.json and model.safetensors into HF_DIR, which must be new or empty (nothing is replaced)."""
+def check_new_dir(hf_dir: Path) -> None:
+    """One-line ConvertError unless HF_DIR is new or an empty directory."""
     hf_dir = Path(hf_dir)
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise ConvertError(f"{hf_dir} already exists and is not an empty directory; give a new directory "
                            "(nothing there is replaced)")
+
+
+def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors into HF_DIR, which must be new or empty (nothing is replaced)."""
+    hf_dir = Path(hf_dir)
+    check_new_dir(hf_dir)
     hf_dir.mkdir(parents=True, exist_ok=True)
     tmp = hf_dir / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})

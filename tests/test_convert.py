@@ -146,6 +146,7 @@ BAD = {
     "head_dim": (_config(head_dim=16), "head_dim 16 is not supported"),
     "negative": (_config(num_hidden_layers=-1), "num_hidden_layers must be a positive integer"),
     "float size": (_config(hidden_size=32.0), "hidden_size must be a positive integer"),
+    "layers": (_config(num_hidden_layers=10**9), "num_hidden_layers=1000000000 is more than 4096"),
     "missing": (_state(lambda s: s.pop("model.layers.0.mlp.up_proj.weight")),
                 "1 missing (e.g. ['model.layers.0.mlp.up_proj.weight'])"),
     "extra": (_state(lambda s: s.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(32, 32)})),
