@@ -91,10 +91,34 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
 
 
-def stage_layers(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> list[int]:
+def stage_layers(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
     """The layer indices pipeline rank `stage` holds (all its chunks)."""
-    chunks = chunk_layers(cfg.n_layers, pp, virtual_stages)
-    return [i for c in range(stage, pp * virtual_stages, pp) for i in chunks[c]]
+    return _stage_layers(cfg.n_layers, pp, virtual_stages, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    chunks = chunk_layers(n_layers, pp, virtual_stages)
+    return tuple(i for c in range(stage, pp * virtual_stages, pp) for i in chunks[c])
+
+
+def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) pipeline rank `stage` holds."""
+    return _stage_kinds(cfg.n_layers, cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers,
+                        pp, virtual_stages, stage)
+
+
+def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
+    one whose per-block communication sets the pace."""
+    return max((stage_kinds(cfg, pp, virtual_stages, s) for s in range(pp)), key=lambda k: (sum(k), k[1]))
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    layers = _stage_layers(n_layers, pp, virtual_stages, stage)
+    moe = sum(i >= first_moe for i in layers)
+    return len(layers) - moe, moe
 
 
 def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
@@ -107,17 +131,16 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
         attn_local = latent + (attn - latent) // tp + attn_extra
     else:
         attn_local = attn // tp + attn_extra // tp
-    dense = experts = 0
-    for layer in stage_layers(cfg, layout.pp, layout.virtual_stages, stage):
-        dense += attn_local + 2 * cfg.d_model  # two RMSNorm gains, replicated
-        if _is_moe_layer(cfg, layer):
-            moe, d = cfg.moe, cfg.d_model
-            d_expert = moe.d_expert or cfg.d_ff
-            dense += d * moe.n_experts + 3 * d * d_expert * moe.n_shared_experts  # router, shared experts
-            experts += 3 * d * d_expert * moe.n_experts // layout.ep
-        else:
-            w, b = _dense_mlp(cfg)
-            dense += (w + b) // tp
+    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
+    experts = 0
+    if n_moe:
+        moe, d = cfg.moe, cfg.d_model
+        d_expert = moe.d_expert or cfg.d_ff
+        dense += n_moe * (d * moe.n_experts + 3 * d * d_expert * moe.n_shared_experts)  # router, shared experts
+        experts = n_moe * (3 * d * d_expert * moe.n_experts // layout.ep)
+    w, b = _dense_mlp(cfg)
+    dense += n_dense * ((w + b) // tp)
     if stage == 0:
         dense += cfg.vocab_size * cfg.d_model // tp
     if stage == layout.pp - 1:
@@ -212,17 +235,17 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
     p = precision.activation
     tokens = micro_batch * seq_len // layout.cp
-    layers = stage_layers(cfg, layout.pp, layout.virtual_stages, stage)
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
-    kinds = {_is_moe_layer(cfg, i): i for i in layers}
-    per_kind = {moe: layer_activation_bytes(cfg, i, tokens, layout, p) for moe, i in kinds.items()}
-    per_layer = [per_kind[_is_moe_layer(cfg, i)] for i in layers]
+    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    first_moe = cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
+    per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
+                for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
     sp = layout.tp if layout.sp and layout.tp > 1 else 1
     if layout.recompute == "full":
-        kept = len(layers) * precision.residual * tokens * cfg.d_model / sp  # each block's input
-        transient = max(per_layer)
+        kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
+        transient = max(b for _, b in per_kind)
     else:
-        kept, transient = sum(per_layer), 0.0
+        kept, transient = sum(n * b for n, b in per_kind), 0.0
     last = stage == layout.pp - 1
     one_chunk_pass = kept / layout.virtual_stages
     in_flight = chunks_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, stage)
@@ -234,9 +257,11 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
                     stage: int | None = None) -> MemoryEstimate:
-    """Bytes per rank of pipeline stage `stage` (None: the stage with the largest total)."""
+    """Bytes per rank of pipeline stage `stage` (None: the stage with the largest total, the first or the last:
+    the first holds the most layers (`chunk_layers` gives earlier chunks the extra ones), the embedding and the
+    most micro-batches in flight; the last holds the head)."""
     if stage is None:
-        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in range(layout.pp)]
+        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.pp - 1}]
         return max(stages, key=lambda e: e.total)
     states = model_state_bytes(cfg, layout, precision, stage)
     acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)

@@ -1,0 +1,110 @@
+"""The layout planner (minidist.plan): its command line, the token-count parse, one-line errors, memory
+rejections with their reasons, and a step time checked by hand on a small case."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minidist.cost_model import alpha_beta_time
+from minidist.flops import count_params, mfu_flops_per_token
+from minidist.hardware import Link
+from minidist.memory_estimate import FP32, Layout, estimate_memory
+from minidist.model import get_preset
+from minidist.plan import JSON_KEYS, global_batch_sequences, main, parse_tokens, rank_of, search
+from minidist.plan_cost import Cluster, predict_step
+
+TINY_ARGS = ["--model", "tiny", "--gpus", "8", "--gpu", "H100-SXM", "--seq-len", "256",
+             "--global-batch-tokens", "64K"]
+
+
+def test_help_explains_the_planner():
+    out = subprocess.run([sys.executable, "-m", "minidist.plan", "--help"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    for flag in ("--model", "--gpus", "--gpus-per-node", "--gpu", "--seq-len", "--global-batch-tokens", "--top",
+                 "--json"):
+        assert flag in out
+    assert "4,194,304" in out and "deepseek-v3" in out and "llama3-405b" in out and "H800" in out
+
+
+def test_token_counts_are_powers_of_two():
+    assert parse_tokens("4M") == 4_194_304 == 512 * 8192
+    assert parse_tokens("64K") == 65536 and parse_tokens("1G") == 2**30 and parse_tokens("1000") == 1000
+    assert global_batch_sequences(parse_tokens("4M"), 8192) == 512
+    for bad in ("4.5M", "-1", "M", "4T"):
+        with pytest.raises(ValueError, match="not a positive whole number"):
+            parse_tokens(bad)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seq-len", "8192", "--global-batch-tokens", "4194305"], "4,194,305 is not a multiple of --seq-len 8192"),
+    (["--gpu", "RTX-9090"], "--gpu 'RTX-9090' is unknown"),
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+])
+def test_bad_input_is_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    if "multiple" in needle:
+        assert "4,194,304 (512 sequences)" in err  # what would fit
+
+
+def test_json_lists_feasible_layouts_fastest_first(capsys):
+    assert main([*TINY_ARGS, "--json", "--top", "5"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert 1 <= len(rows) <= 5
+    assert all(tuple(row) == JSON_KEYS for row in rows)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    for r in rows:
+        assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 8 and (r["dp"] * r["cp"]) % r["ep"] == 0
+        assert r["mem_gib"] <= 0.9 * 80
+
+
+def _toy_cluster(memory: float, alpha: float = 1e-3) -> Cluster:
+    link = Link("toy", bandwidth=1e9, latency=alpha)
+    return Cluster("toy", peak_flops=1e12, memory_bytes=memory, gpus_per_node=8, intra=link, inter=link,
+                   efficiency=0.5, usable_memory=1.0)
+
+
+def test_step_time_by_hand_dp2():
+    """dp 2, one micro-batch: compute = FLOPs/2 at half of 1 TFLOP/s; the gradient all-reduce (ring: 2(p−1) steps,
+    2(p−1)/p of the bytes) hides behind the backward (2/3 of the compute), the rest is exposed."""
+    cfg = get_preset("tiny")
+    seq, batch = 128, 8
+    t = predict_step(cfg, Layout(dp=2), seq, batch, _toy_cluster(1e12, alpha=1e-3), FP32)
+    compute = mfu_flops_per_token(cfg, seq) * seq * batch / 2 / (1e12 * 0.5)
+    grads = 4 * count_params(cfg)
+    all_reduce = 2 * 1e-3 + grads / 1e9  # 2 steps of α; 2·(1/2)·M bytes at 1 GB/s
+    assert all_reduce == pytest.approx(alpha_beta_time("all_reduce", grads, 2, 1e-3, 1e-9))
+    assert t.compute == pytest.approx(compute)
+    assert t.dp == pytest.approx(max(0.0, all_reduce - 2 * compute / 3))
+    assert t.total == pytest.approx(compute + t.dp)
+    assert t.tp == t.cp == t.ep == t.pp == t.bubble == 0
+
+
+def test_layouts_over_memory_are_rejected_with_reasons(capsys):
+    cfg = get_preset("tiny")
+    whole = estimate_memory(cfg, Layout(dp=4), 256, 4).total  # dp 4, no ZeRO: everything on every rank
+    plan = search(cfg, 4, 256, 16 * 256, _toy_cluster(0.9 * whole), FP32)
+    assert plan.feasible and plan.rejected
+    assert all(c.memory.total <= plan.budget for c in plan.feasible)
+    assert all(c.memory.total > plan.budget for c in plan.rejected)
+    place, plain = rank_of(plan, dp=4, zero=0, microbatches=1, recompute="none")
+    assert place is None and plain.memory.total == pytest.approx(whole)
+    # the same shape sharded (ZeRO-3) or recomputed fits
+    assert rank_of(plan, dp=4, zero=3)[0] is not None
+
+
+def test_text_report_says_why_faster_layouts_fail(capsys):
+    # 8B on 8 GPUs, 2 sequences of 8192 per GPU: the fastest layouts hold everything (no ZeRO) or whole batches
+    assert main(["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch-tokens", "128K",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and "step = (compute" in out
+    why = out.split("do not fit, and why:\n")[1].split("\n\n")[0].splitlines()
+    assert len(why) == 3 and all("GiB usable (params" in line for line in why)
+    assert "not layouts" in out and "fewer micro-batches than stages" in out
