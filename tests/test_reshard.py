@@ -26,7 +26,9 @@ from minidist.distributed import DistEnv, init_distributed, resolve_parallel_dim
 from minidist.launch import run_ranks
 from minidist.train import ConfigError, TrainConfig
 
-MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32}
+# tied embeddings: under pp the first and last stage each hold tok_emb.weight, and only one of them writes it
+MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32,
+         "tie_embeddings": True}
 MOE = {**MODEL, "moe": {"n_experts": 4, "top_k": 2, "d_expert": 32, "bias_update_speed": 0.01}}
 
 
