@@ -250,8 +250,7 @@ def test_to_hf_from_a_dp2_tp2_checkpoint(tmp_path, one_thread):
     assert all(torch.equal(state[k], full[k]) for k in full) and set(state) == set(full)
 
     single = build_model(cfg).eval()
-    single.load_state_dict(torch.load(tmp_path / "single" / "checkpoints" / "step_000001" / "rank0.pt",
-                                      weights_only=True)["model"])
+    single.load_state_dict(read_full_model(tmp_path / "single" / "checkpoints" / "step_000001"))
     tokens = tokens_for(cfg)
     with torch.no_grad():
         want = single(tokens)
