@@ -116,6 +116,8 @@ def joined(dims: ParallelDims, env: DistEnv, device: torch.device, cfg: TrainCon
     group is destroyed at the end if this call created it."""
     recorder = FlightRecorder(env.rank) if env.world_size > 1 else None
     topo, created = init_distributed(dims, env, device, timeout_s=cfg.comm_timeout, recorder=recorder)
+    if recorder is not None:
+        recorder.start()
     try:
         with recording(recorder, Path(cfg.out), env.rank, ignore=(ConfigError,)):
             yield topo

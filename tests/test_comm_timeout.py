@@ -69,6 +69,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     record = json.loads((out / "flight" / "rank0.json").read_text())
     last = record["records"][-1]
     assert 1 in last["ranks"] and record["reason"].startswith("RuntimeError"), record["reason"]
+    assert isinstance(record["started_at"], float)  # marked once the groups were up: tells jobs apart
     assert f"flight record in {out / 'flight' / 'rank0.json'}" in stderr
     findings = diff(load(out))
     assert [(f.kind, f.rank) for f in findings] == [("no-record", 1)], [f.message for f in findings]

@@ -315,3 +315,9 @@ def test_command_line_exit_codes_and_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "first divergence (mismatch)" in text and "(9,)" in text
     assert text.strip() == report(load(tmp_path), diff(load(tmp_path)))
+    assert "warning" not in text
+    stale = _dumps([_rec(0, "all_reduce", 0)], [_rec(0, "all_reduce", 0)])
+    stale[0]["started_at"], stale[1]["started_at"] = 1000.0, 1000.0 + 3600  # rank 0's file is an hour older
+    assert "warning: these records come from jobs started 3600 s apart (rank 0's is the oldest)" in report(stale, [])
+    stale[0]["started_at"] = 1000.0 + 3599  # one job: its ranks start within a moment
+    assert "warning" not in report(stale, [])

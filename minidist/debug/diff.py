@@ -32,6 +32,7 @@ from minidist.nccl_model import RECV, SEND, Op, Post, replay
 
 _FIELDS = {"seq": int, "group": str, "ranks": list, "op": str, "index": int, "shape": list, "site": str}
 _MAX_RANKS = 1 << 16
+STALE_S = 60.0  # the ranks of one job mark their start within a moment of each other (`FlightRecorder.start`)
 
 
 class FlightError(ValueError):
@@ -292,6 +293,12 @@ def _replay(name: str, ranks: tuple[int, ...], by_rank: dict[int, list[dict]], s
 def report(dumps: dict[int, dict[str, Any]], findings: list[Finding]) -> str:
     """What `python -m minidist.debug diff` prints."""
     lines = [f"flight records of rank(s) {sorted(dumps)}:"]
+    starts = {r: d["started_at"] for r, d in dumps.items() if isinstance(d.get("started_at"), int | float)}
+    spread = max(starts.values()) - min(starts.values()) if starts else 0.0
+    if spread > STALE_S:
+        oldest = min(starts, key=starts.get)
+        lines.append(f"  warning: these records come from jobs started {spread:.0f} s apart (rank {oldest}'s is the "
+                     "oldest): a stale file of an earlier job? Compare one job's records only")
     for r, dump in sorted(dumps.items()):
         dropped = f", {dump.get('dropped')} older dropped" if dump.get("dropped") else ""
         lines.append(f"  rank {r}: {len(dump['records'])} calls{dropped}, written on {dump.get('reason')!s}")

@@ -19,8 +19,8 @@ A process that dies without running Python again (gloo aborts on a size mismatch
 OOM kill) cannot write on the way out; `write_through=path` rewrites the record before every call instead (slow:
 for such debugging, and for the hang clinic, whose ranks make a handful of calls).
 
-`write(path, reason)` writes JSON (never pickle): `{"format", "rank", "reason", "written_at", "capacity",
-"dropped", "records": [...]}`. `recording(recorder, out, rank)` is the trainer's hook: it writes
+`write(path, reason)` writes JSON (never pickle): `{"format", "rank", "reason", "started_at", "written_at",
+"capacity", "dropped", "records": [...]}`. `recording(recorder, out, rank)` is the trainer's hook: it writes
 `out/flight/rank{R}.json` when the block raises (a collective past --comm-timeout raises in the rank), and on
 SIGTERM (torchrun stopping the job; the rank then ends as the signal would have ended it) or SIGUSR1 (a dump on
 demand; the rank goes on). The signals are caught through a wakeup file descriptor read by a thread, so a rank
@@ -37,6 +37,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,6 +67,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.write_through = write_through  # rewrite this file at every call (slow: for ranks that get killed)
         self.seq = 0  # calls recorded since the start, dropped ones included
+        self.started_at: float | None = None  # when the job's groups were up (`start`): tells jobs apart
         self._ring: deque[tuple] = deque(maxlen=capacity)
         self._counts: dict[tuple, int] = {}
 
@@ -88,6 +90,11 @@ class FlightRecorder:
             self.write(self.write_through, f"still running at call {seq} (written before each call)")
         return seq
 
+    def start(self) -> None:
+        """Mark the job's start (every rank calls it right after the process groups exist, so within a moment of
+        each other): the diff then tells a stale record of an earlier job from this job's."""
+        self.started_at = time.time()
+
     def __len__(self) -> int:
         return len(self._ring)
 
@@ -101,7 +108,7 @@ class FlightRecorder:
         return out
 
     def snapshot(self, reason: str) -> dict[str, Any]:
-        return {"format": FORMAT, "rank": self.rank, "reason": reason,
+        return {"format": FORMAT, "rank": self.rank, "reason": reason, "started_at": self.started_at,
                 "written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
                 "capacity": self.capacity, "dropped": self.seq - len(self._ring), "records": self.records()}
 
