@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.debug.recorder import FlightRecorder, recording
+from minidist.debug.recorder import SIGNALS, FlightRecorder, recording
 from minidist.topology import ParallelDims, Topology
 from minidist.train_config import ConfigError, TrainConfig, model_config
 
@@ -112,14 +112,16 @@ def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
 def joined(dims: ParallelDims, env: DistEnv, device: torch.device, cfg: TrainConfig) -> Iterator[Topology]:
     """The run's process groups (`init_distributed`, bounded by --comm-timeout) with a flight recorder: when the
     block raises (a collective past the timeout raises in the rank; bad settings excepted), or on SIGTERM or
-    SIGUSR1, each rank writes its recent calls to OUT/flight/rank{R}.json (`minidist.debug.recorder`). The default
-    group is destroyed at the end if this call created it."""
+    SIGUSR1 when this call created the process group (torchrun), each rank writes its recent calls to
+    OUT/flight/rank{R}.json (`minidist.debug.recorder`). The default group is destroyed at the end if this call
+    created it."""
     recorder = FlightRecorder(env.rank) if env.world_size > 1 else None
     topo, created = init_distributed(dims, env, device, timeout_s=cfg.comm_timeout, recorder=recorder)
     if recorder is not None:
         recorder.start()
     try:
-        with recording(recorder, Path(cfg.out), env.rank, ignore=(ConfigError,)):
+        # Signals only where this run owns the process (torchrun's worker); a launcher or notebook keeps its own.
+        with recording(recorder, Path(cfg.out), env.rank, ignore=(ConfigError,), signals=SIGNALS if created else ()):
             yield topo
     finally:
         if created:

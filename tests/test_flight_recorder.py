@@ -139,7 +139,10 @@ def test_recording_writes_on_an_exception_but_not_on_a_bad_setting(tmp_path):
     dump = json.loads(flight_path(tmp_path, 1).read_text())
     assert dump["reason"] == "RuntimeError: Timed out waiting 3000ms" and len(dump["records"]) == 1
     with recording(None, tmp_path / "none", 0):  # no recorder: nothing installed, nothing written
-        pass
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    with recording(recorder, tmp_path, 1, signals=()):  # a process whose signals belong to its launcher
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.set_wakeup_fd(-1) == -1  # no wakeup fd was set either
     assert not (tmp_path / "none").exists()
 
 
@@ -167,7 +170,7 @@ def sigterm_while_blocked(out: str) -> None:
     rank = dist.get_rank()
     recorder = FlightRecorder(rank)
     comm = Comm(name="world", recorder=recorder)
-    with recording(recorder, out, rank):
+    with recording(recorder, out, rank, signals=(signal.SIGTERM,)):  # SIGUSR1 is the launcher's stack dump
         if rank == 0:  # delivered while the all-reduce below waits for rank 1
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
         comm.all_reduce(torch.ones(1)) if rank == 0 else time.sleep(30)

@@ -50,6 +50,7 @@ _COMM_FILE = os.path.join("minidist", "comm.py")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../minidist
 _ROOT = os.path.dirname(_PACKAGE)
 _MAX_DEPTH = 8  # frames walked to leave comm.py; deeper than any Comm method calls itself
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # torchrun stopping the job; a dump on demand
 
 
 def flight_path(out: Path, rank: int) -> Path:
@@ -148,19 +149,21 @@ def describe_exception(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def recording(recorder: FlightRecorder | None, out: Path, rank: int,
-              ignore: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+def recording(recorder: FlightRecorder | None, out: Path, rank: int, ignore: tuple[type[BaseException], ...] = (),
+              signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
     """Within the block, write `recorder` to `out/flight/rank{rank}.json` if the block raises (except the `ignore`
-    types: bad settings are no communication failure) or on SIGTERM / SIGUSR1. Nothing happens for None.
+    types: bad settings are no communication failure) or on one of `signals`. Nothing happens for None.
 
-    Signals are only taken when this is the main thread and nobody else handles them (under
-    `minidist.launch.run_ranks`, SIGUSR1 is the launcher's stack dump and stays so).
+    Signals are taken only in the main thread, and only those without a Python handler. Pass `signals=()` in a
+    process whose signals belong to someone else: `signal.getsignal` does not see handlers installed from C (under
+    `minidist.launch.run_ranks`, SIGUSR1 is faulthandler's stack dump), and leaving the block restores SIG_DFL.
     """
     if recorder is None:
         yield
         return
     path = flight_path(out, rank)
-    watcher = _SignalWatcher(recorder, path) if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    watcher = _SignalWatcher(recorder, path, signals) if main and signals else None
     try:
         yield
     except ignore:
@@ -178,11 +181,9 @@ class _SignalWatcher:
     blocked in a collective. Its C handler does write the signal's number to the wakeup fd at once, so a thread
     reading that fd writes the record (gloo and NCCL waits release the GIL)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, recorder: FlightRecorder, path: Path) -> None:
+    def __init__(self, recorder: FlightRecorder, path: Path, signals: tuple[signal.Signals, ...]) -> None:
         self.recorder, self.path = recorder, path
-        self.taken = [s for s in self.SIGNALS if signal.getsignal(s) == signal.SIG_DFL]
+        self.taken = [s for s in signals if signal.getsignal(s) == signal.SIG_DFL]
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
