@@ -324,3 +324,10 @@ def test_command_line_exit_codes_and_report(tmp_path, capsys):
     assert "warning: these records come from jobs started 3600 s apart (rank 0's is the oldest)" in report(stale, [])
     stale[0]["started_at"] = 1000.0 + 3599  # one job: its ranks start within a moment
     assert "warning" not in report(stale, [])
+    # A live dump (SIGUSR1): a rank one call behind its peer is only a note's worth, a shape mismatch is not.
+    behind = _dumps([_rec(0, "all_reduce", 0), _rec(1, "all_reduce", 1)], [_rec(0, "all_reduce", 0)])
+    for dump in behind.values():
+        dump["reason"] = "signal SIGUSR1"
+    assert "may only be timing" in report(behind, diff(behind))
+    behind[1]["records"][0]["shape"] = [9]
+    assert "may only be timing" not in report(behind, diff(behind))

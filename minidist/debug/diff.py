@@ -32,6 +32,7 @@ from minidist.nccl_model import RECV, SEND, Op, Post, replay
 
 _FIELDS = {"seq": int, "group": str, "ranks": list, "op": str, "index": int, "shape": list, "site": str}
 _MAX_RANKS = 1 << 16
+TAIL_KINDS = ("missing", "p2p-unmatched")  # what a rank that is merely behind its peers also looks like
 STALE_S = 60.0  # the ranks of one job mark their start within a moment of each other (`FlightRecorder.start`)
 
 
@@ -308,4 +309,9 @@ def report(dumps: dict[int, dict[str, Any]], findings: list[Finding]) -> str:
     first, *rest = findings
     lines.append(f"first divergence ({first.kind}): {first.message}")
     lines += [f"then ({f.kind}): {f.message}" for f in rest]
+    live = [r for r, d in sorted(dumps.items()) if str(d.get("reason")).startswith("signal SIGUSR1")]
+    if live and all(f.kind in TAIL_KINDS for f in findings):
+        lines.append(f"note: rank(s) {live} wrote on SIGUSR1 while running; each rank wrote at its own moment, so "
+                     "calls its peers had not reached yet look missing or unmatched. A mismatch or a skipped call "
+                     "would be a real divergence; these may only be timing.")
     return "\n".join(lines)
