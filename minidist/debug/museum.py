@@ -8,9 +8,9 @@ style) and never changes a default: outside the block the package is what it alw
 for any of them. Every exhibit records what it is, where it lives, the layout that shows it, the check that catches
 it and the parameters a layer-by-layer diff must point at (`layer`, a regular expression on parameter names).
 
-The bugs are well-known classes, described here in our own words. They were collected (issue #18 of this course)
-from public threads on PyTorch's DDP (pytorch#118369), nanotron (#115, #209) and Megatron-LM (#1736, #1754); the
-exhibits are re-creations in this package, not copies of those projects' code.
+The bugs are well-known classes, described here in our own words; the course's issue #18 gathered them from public
+threads (pytorch#118369, nanotron#115 and #209, Megatron-LM#1736 and #1754). The exhibits are re-creations on this
+package's code path, not copies of any project's code.
 
 The checks (`fired(name, record, reference)`) compare a run (`minidist.debug.parity_run`) with the one-process
 run: the replica hashes of chapter 13, the data-parallel ledger against its byte count, the gradient norm, and the
