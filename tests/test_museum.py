@@ -54,3 +54,17 @@ def test_a_bug_is_switched_off_when_its_block_ends() -> None:
     with pytest.raises(ValueError, match="unknown bug 'nope'; the museum has no_sync_never_synced"):
         with museum.bug("nope"):
             pass
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(dp=3), "dp=3 x microbatches=1 does not divide the global batch of 8 rows"),
+    (dict(tp=4), "tp=4 must divide 2 kv heads"),
+    (dict(dtype="fp16"), "dtype 'fp16' is not one of fp32, bf16"),
+    (dict(bug="nope"), "unknown bug 'nope'"),
+])
+def test_a_setup_the_lab_cannot_run_is_refused_in_one_line(changes: dict, match: str) -> None:
+    from minidist.debug import parity_run as pr
+
+    with pytest.raises(ValueError, match=match) as info:
+        pr.run_many([pr.Setup(**changes)])
+    assert "\n" not in str(info.value)

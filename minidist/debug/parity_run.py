@@ -141,8 +141,26 @@ def merge(ranks: list[dict]) -> dict:
     return merged
 
 
+def check_setup(setup: Setup) -> None:
+    """Refuse, in one line and before any process starts, a setup this experiment cannot run."""
+    if min(setup.dp, setup.tp, setup.pp, setup.microbatches, setup.steps) < 1:
+        raise ValueError(f"{setup}: dp, tp, pp, microbatches and steps must be >= 1")
+    if GLOBAL_BATCH % (setup.dp * setup.microbatches):
+        raise ValueError(f"dp={setup.dp} x microbatches={setup.microbatches} does not divide the global batch of "
+                         f"{GLOBAL_BATCH} rows; use a product among 1, 2, 4, 8")
+    if CFG.n_kv_heads % setup.tp or CFG.n_layers % setup.pp:
+        raise ValueError(f"tp={setup.tp} must divide {CFG.n_kv_heads} kv heads and pp={setup.pp} the "
+                         f"{CFG.n_layers} layers of the lab's model; use tp and pp in 1, 2")
+    if setup.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {setup.dtype!r} is not one of fp32, bf16")
+    if setup.bug is not None and setup.bug not in museum.BUGS:
+        raise ValueError(f"unknown bug {setup.bug!r}; the museum has {', '.join(museum.BUGS)}")
+
+
 def run_many(setups: list[Setup], timeout: float = 180.0) -> list[dict]:
     """Run setups of one world size in one launch; one merged record per setup."""
+    for setup in setups:
+        check_setup(setup)
     worlds = {s.world for s in setups}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs setups of one world size, got sizes {sorted(worlds)}")
@@ -162,6 +180,7 @@ def run_local(setup: Setup = Setup()) -> dict:
     """A one-rank setup in this process, without a process group (the reference of every comparison)."""
     if setup.world != 1:
         raise ValueError(f"run_local runs one rank; {setup} needs {setup.world}")
+    check_setup(setup)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a launch: the same kernels, the same rounding
     try:
