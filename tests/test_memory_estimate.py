@@ -15,6 +15,7 @@ from minidist.memory_estimate import (
     FP32,
     TOLERANCE,
     Layout,
+    check_against_one_block,
     chunks_in_flight,
     estimate_memory,
     model_state_bytes,
@@ -106,3 +107,8 @@ def test_1f1b_in_flight_is_p_minus_r(pp, m, expected):
     assert chunks_in_flight("1f1b", pp, m) == expected
     assert chunks_in_flight("afab", pp, m) == m
     assert chunks_in_flight("1f1b", pp, m, stage=pp - 1) == 1
+
+
+def test_dense_block_is_chapter_01s_count():
+    for dtype_bytes in (2, 4):
+        assert check_against_one_block(CFG, SEQ_LEN, 2, dtype_bytes)
