@@ -1,11 +1,11 @@
-"""The 5D parity matrix: dp, tp, pp, cp and ep composed, with ZeRO 1-3, MoE and dense models and the three
-schedules, each layout logging the one-process run (losses, gradient norms, validation losses; MoE: the balancing
-loss too).
+"""The 5D parity matrix: dp, tp, pp, cp and ep composed, with ZeRO 1-3, MoE and dense models, the three schedules
+and tied embeddings across pipeline stages, each layout logging the one-process run (losses, gradient norms,
+validation losses; MoE: the balancing loss too).
 
-Not all products: a covering set. `MATRIX` is chosen so that every pair of the five dimensions is > 1 together in
-at least one layout, and every ZeRO stage 1-3, both model kinds and every schedule appear (on 8 ranks at most
-three of dp/tp/pp/cp exceed 1; ep is carved out of dp·cp). `test_the_matrix_covers_every_pair` computes that
-coverage from the table itself, and that no layout could be dropped without losing some of it.
+Not all products: a covering set. `MATRIX` is chosen so that every pair of the five dimensions is > 1 together in at
+least one layout, and every ZeRO stage 1-3, both model kinds and every schedule appear (on 8 ranks at most three of
+dp/tp/pp/cp exceed 1; ep is carved out of dp·cp), and a tied embedding meets pp. `test_the_matrix_covers_every_pair`
+computes that coverage from the table itself, and that no layout could be dropped without losing some of it.
 Two launches: 8 ranks for the layouts with three dimensions, 4 ranks for the others.
 """
 
@@ -38,6 +38,7 @@ MOE = dict(DENSE, moe={"n_experts": 4, "top_k": 2, "bias_update_speed": 0.05})
 class Layout:
     kind: str  # "dense" or "moe"
     settings: dict = field(default_factory=dict)  # TrainConfig fields: dims, zero, schedule, sp, cp_impl, ...
+    tied: bool = False  # tie_embeddings: the first and last stage each hold a copy
 
     @property
     def world(self) -> int:
@@ -47,7 +48,8 @@ class Layout:
     def name(self) -> str:
         dims = " ".join(f"{d}{self.settings[d]}" for d in DIMS if self.settings.get(d, 1) > 1)
         extra = " sp" if self.settings.get("sp") else ""
-        return f"{dims}{extra} zero{self.settings.get('zero', 0)} {self.settings.get('schedule', '-')} {self.kind}"
+        kind = f"{self.kind} tied" if self.tied else self.kind
+        return f"{dims}{extra} zero{self.settings.get('zero', 0)} {self.settings.get('schedule', '-')} {kind}"
 
     def on(self) -> set[str]:
         return {d for d in DIMS if self.settings.get(d, 1) > 1}
@@ -58,7 +60,7 @@ MATRIX = [
     Layout("moe", dict(dp=2, tp=2, pp=2, ep=2, zero=1, schedule="1f1b")),
     Layout("dense", dict(cp=2, tp=2, pp=2, sp=True, zero=3, schedule="interleaved", virtual_stages=2)),
     Layout("moe", dict(dp=2, cp=2, ep=4, zero=2, cp_impl="allgather")),
-    Layout("moe", dict(dp=2, pp=2, ep=2, zero=3, schedule="afab")),
+    Layout("moe", dict(dp=2, pp=2, ep=2, zero=3, schedule="afab"), tied=True),
 ]
 
 
@@ -71,12 +73,15 @@ def coverage(layouts: list[Layout]) -> set[tuple]:
         covered.add(("kind", layout.kind))
         if layout.settings.get("pp", 1) > 1:
             covered.add(("schedule", layout.settings.get("schedule", "1f1b")))
+            if layout.tied:
+                covered.add(("tied across stages",))
     return covered
 
 
-def config(out: str, kind: str, **changes) -> TrainConfig:
+def config(out: str, kind: str, tied: bool = False, **changes) -> TrainConfig:
     """2 steps of batch 8 x 32 with clipping active; validation after each."""
-    settings = dict(model="tiny", model_overrides=dict(MOE if kind == "moe" else DENSE), max_bytes=100_000,
+    model = dict(MOE if kind == "moe" else DENSE, tie_embeddings=tied)
+    settings = dict(model="tiny", model_overrides=model, max_bytes=100_000,
                     batch_size=8, seq_len=32, microbatches=2, steps=2, warmup_steps=1, grad_clip=1.0, eval_every=1,
                     eval_batches=1, log_every=100, ckpt_every=0, out=out, seed=0, peak_flops=1e12, plot=False)
     return TrainConfig(**{**settings, **changes})
@@ -84,7 +89,7 @@ def config(out: str, kind: str, **changes) -> TrainConfig:
 
 def test_the_matrix_covers_every_pair() -> None:
     want = ({("pair", *sorted(p)) for p in itertools.combinations(DIMS, 2)} | {("zero", z) for z in ZERO_STAGES}
-            | {("schedule", s) for s in SCHEDULES} | {("kind", k) for k in KINDS})
+            | {("schedule", s) for s in SCHEDULES} | {("kind", k) for k in KINDS} | {("tied across stages",)})
     got = coverage(MATRIX)
     assert want <= got, f"not covered: {sorted(want - got)}"
     for layout in MATRIX:
@@ -92,7 +97,7 @@ def test_the_matrix_covers_every_pair() -> None:
         assert layout.world in (4, 8)
         assert len(layout.on() - {"ep"}) <= 3
         assert (layout.kind == "moe") >= (layout.settings.get("ep", 1) > 1)  # ep needs experts
-        resolve_parallel_dims(config("unused", layout.kind, **layout.settings), layout.world)  # a valid layout
+        resolve_parallel_dims(config("unused", layout.kind, layout.tied, **layout.settings), layout.world)  # valid
     assert len(MATRIX) < len(list(itertools.product(ZERO_STAGES, SCHEDULES, KINDS)))  # far below all products
 
 
@@ -100,7 +105,7 @@ def _rank_runs(root: str, world: int) -> dict:
     results = {}
     for layout in (m for m in MATRIX if m.world == world):
         out = str(Path(root) / layout.name.replace(" ", "_"))
-        summary = train.train(config(out, layout.kind, **layout.settings))
+        summary = train.train(config(out, layout.kind, layout.tied, **layout.settings))
         dist.barrier()  # rank 0 has written metrics.jsonl
         results[layout.name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
     return results
@@ -117,16 +122,18 @@ def root(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, list[dict]]:
-    """The one-process run of each model kind."""
-    return {kind: trainer_parity.single_process_records(str(tmp_path_factory.mktemp(kind)),
-                                                        functools.partial(config, kind=kind)) for kind in KINDS}
+def references(tmp_path_factory) -> dict[tuple[str, bool], list[dict]]:
+    """The one-process run of each model the matrix trains (kind, tied)."""
+    models = sorted({(m.kind, m.tied) for m in MATRIX})
+    return {(kind, tied): trainer_parity.single_process_records(str(tmp_path_factory.mktemp(kind)),
+                                                                functools.partial(config, kind=kind, tied=tied))
+            for kind, tied in models}
 
 
 @pytest.mark.parametrize("layout", MATRIX, ids=lambda m: m.name.replace(" ", "-"))
 def test_layout_matches_one_process(layout, root, references) -> None:
     results = _results(root, layout.world)
-    records, reference = results[0][layout.name]["records"], references[layout.kind]
+    records, reference = results[0][layout.name]["records"], references[(layout.kind, layout.tied)]
     trainer_parity.assert_logs_match(layout.name, records, reference)
     if layout.kind == "moe":
         got, want = [r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]
