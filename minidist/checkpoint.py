@@ -3,10 +3,14 @@
     OUT/checkpoints/
         latest               text: "step_000200"
         step_000100/
-            meta.json        step, world size, layout, the resolved config, each rank file's size and SHA-256
-            rank0.pt         everything rank 0 needs to continue: its model shard, optimizer shard, sampler, RNG
-            rank1.pt ...     (one per rank once the parallel chapters shard the state)
+            meta.json        step, world size, layout, the resolved config, each rank file's size and SHA-256,
+                             the index of every piece (which file holds which elements of which tensor)
+            rank0.pt         rank 0's pieces, its random generators, and the run state (schedule, sampler, ...)
+            rank1.pt ...     one per rank: its pieces (none for a replica) and its random generators
         step_000200/
+
+What the files hold is the caller's (minidist.run_state); the trainer writes each element of the model and of its
+optimizer state once, in the file of its first holder (minidist.reshard), so dp replicas add no bytes.
 
 Atomicity: a crash mid-write must never leave a directory that looks complete. Every rank writes into
 `.tmp_step_XXXXXX/` its state file and a small `rankR.sha256` note (the file's size and digest, computed where it
@@ -40,7 +44,7 @@ import torch
 
 LATEST = "latest"
 META = "meta.json"
-FORMAT_VERSION = 2  # 2: meta.json records each rank file's size and SHA-256
+FORMAT_VERSION = 3  # 2: meta.json records each rank file's size and SHA-256; 3: rank files hold pieces only
 STEP_NAME = re.compile(r"step_(\d{6,})")
 PLAIN = (str, int, float, bool, type(None), torch.Tensor)  # what weights_only=True reads back, with dict/list/tuple
 
@@ -181,7 +185,8 @@ def load_meta(root: str | os.PathLike, step: int) -> dict[str, Any]:
         raise ValueError(f"{path} is not readable JSON ({type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path} has format {found!r}, this code reads {FORMAT_VERSION}")
+        raise ValueError(f"{path} has format {found!r}, this code reads {FORMAT_VERSION} only; resume it with "
+                         "the minidist version that wrote it")
     world_size, files = meta.get("world_size"), meta.get("files")
     if type(world_size) is not int or not isinstance(files, dict) or sorted(files) != sorted(
             rank_file(r) for r in range(world_size)):
@@ -196,8 +201,8 @@ def load_checkpoint(root: str | os.PathLike, step: int, *, rank: int = 0, world_
     meta = load_meta(root, step)
     if meta["world_size"] != world_size:
         raise ValueError(
-            f"checkpoint step {step} was written by {meta['world_size']} rank(s), this run has {world_size}; "
-            "resume with the same layout (resharding a checkpoint is not implemented)"
+            f"checkpoint step {step} was written by {meta['world_size']} rank(s), not {world_size}: its rank files "
+            "are not this layout's (minidist.reshard reads a checkpoint of any layout)"
         )
     path = Path(root) / step_dir_name(step) / rank_file(rank)
     verify_file(path, meta["files"][path.name])

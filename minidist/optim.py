@@ -48,6 +48,52 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
                              fused=True if on_cuda else False)
 
 
+# Param-group keys that are this device's choice of kernel, not the update's math: a checkpoint does not carry them.
+IMPLEMENTATION = frozenset({"params", "name", "foreach", "fused", "capturable", "differentiable"})
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """{group name: its settings (lr, betas, eps, weight_decay, ...)} of every param group (`optimizer` may be a
+    ZeRO engine or ExpertReplicas: their `param_groups` are their shards'). What a checkpoint keeps besides the
+    state tensors; layout-free, since groups of one name hold the same settings on every rank and shard."""
+    out: dict[str, dict] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        name = str(group.get("name", i))
+        settings = {k: v for k, v in group.items() if k not in IMPLEMENTATION}
+        if out.setdefault(name, settings) != settings:
+            raise ValueError(f"param groups named {name} differ: {out[name]} and {settings}")
+    return out
+
+
+def load_group_settings(optimizer: torch.optim.Optimizer, saved: object) -> list[str]:
+    """Give every param group the settings `group_settings` saved for its name, as torch's `load_state_dict` does;
+    return those that differ from this run's own, lr aside (the schedule sets it before every step). A group or
+    setting missing, or of another type than this run's, is a one-line ValueError."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"the param-group settings are a {type(saved).__name__}, not a dict by group name")
+    changed = []
+    for i, group in enumerate(optimizer.param_groups):
+        name = str(group.get("name", i))
+        mine = {k: v for k, v in group.items() if k not in IMPLEMENTATION}
+        theirs = saved.get(name)
+        if not isinstance(theirs, dict) or sorted(theirs) != sorted(mine):
+            raise ValueError(f"the checkpoint's settings of param group {name} are not {sorted(mine)}")
+        for key, value in theirs.items():
+            if not _same_kind(value, mine[key]):
+                raise ValueError(f"param group {name}: {key}={value!r} does not fit ({mine[key]!r} here)")
+            if value != mine[key] and key != "lr" and f"{key} {value}" not in changed:
+                changed.append(f"{key} {value}")
+        group.update(theirs)
+    return changed
+
+
+def _same_kind(value: object, like: object) -> bool:
+    """The same type as `like` (tuples element by element), and a finite float where `like` is a float."""
+    if isinstance(like, tuple):
+        return isinstance(value, tuple) and len(value) == len(like) and all(map(_same_kind, value, like))
+    return type(value) is type(like) and (not isinstance(value, float) or math.isfinite(value))
+
+
 @dataclass
 class WarmupCosine:
     """Linear warm-up from ~0 to max_lr over warmup_steps, then cosine decay to min_lr at total_steps.

@@ -1,10 +1,10 @@
 """Resharded resume: a checkpoint written by one layout (dp, tp, pp, cp, ep, ZeRO stage, virtual stages) read by
 any other, and the full model read back from a checkpoint of any layout.
 
-Every rank file of a checkpoint (minidist.checkpoint) also holds `pieces`: the parts of the full model and of its
-optimizer state that this rank is the first holder of. A piece is one local tensor, flattened, plus the elements of
-the full tensor it holds, as *runs*: (start, length) in the row-major flattened full tensor, in the piece's own
-element order. Everything a layout holds is such a list of runs:
+Every rank file of a checkpoint (minidist.checkpoint) holds `pieces`, and no other copy of the model: the parts of
+the full model and of its optimizer state that this rank is the first holder of. A piece is one local tensor,
+flattened, plus the elements of the full tensor it holds, as *runs*: (start, length) in the row-major flattened
+full tensor, in the piece's own element order. Everything a layout holds is such a list of runs:
 
     a tensor-parallel block split on dim 0                  one run
     a block split on the last dim ([rows, cols/tp])         one run per row
@@ -30,15 +30,17 @@ tensor shaped like one, persistent buffers such as the MoE router biases), finds
 intersect them, and copies the intersections (a merge walk of two sorted run lists). It opens only the files it
 needs: checked against meta.json's size and SHA-256 first, then `torch.load(weights_only=True, mmap=True)`, so
 the bytes read are those of the pieces that intersect. Every element must be found, or the load is refused in one
-line. A scalar such as Adam's step count is taken from the first piece read. The same layout resumes from the rank
-files as before (`ParallelModel.load_state_dict`), bit for bit; the values copied here are the same numbers (a
-resharded load saved again reads back bit for bit: tests/test_reshard.py). So each rank file still holds its rank's
-own state too, replicas included; the pieces are views of the same storages and add no bytes to it (except ZeRO-3's
-parameter shards, which its state dict clones).
+line. A scalar such as Adam's step count is taken from the first piece read. The layout that wrote a checkpoint
+loads it the same way: the values copied are the saved numbers, so its resume is bit for bit (tests/test_checkpoint.py,
+a resharded load saved again reads back bit for bit: tests/test_reshard.py). The pieces are views of the model's and
+the optimizer's storages, so a file holds each saved element once; a dp replica's file holds no parameter at all
+(dp2: the checkpoint is the size of one process's, tp2 one model's: tests/test_reshard.py measures both).
 
 The run state that does not depend on the layout (LR schedule, sampler position: the global data order is the same
-in every layout) comes from rank 0's file; so do the random generators, for every rank: nothing in a training step
-draws from them (no dropout, no router noise), they are restored so that every rank starts in a defined state.
+in every layout; the param groups' settings) is in rank 0's file only (minidist.run_state). The random generators
+are in every rank's file: the same layout restores each rank's own; another restores rank 0's on every rank
+(nothing in a training step draws from them: no dropout, no router noise; they are restored so that every rank
+starts in a defined state).
 What cannot be resharded is refused by run_state (SAME_RUN_KEYS: the model, the data, batch size, sequence length,
 seed); the micro-batches, the schedule and every parallel setting may change.
 
@@ -239,9 +241,9 @@ def _local_shape(placement: Placement) -> tuple[int, ...]:
 
 
 def pieces_to_save(parallel: Any, topo: Any) -> tuple[list[dict], list[dict]]:
-    """(tensors for this rank's file, index entries for meta.json) of the pieces this rank writes. The tensors are
-    views of the model and optimizer state (torch.save stores a storage once: no extra bytes for the stages that
-    keep their state in the model's storages)."""
+    """(tensors for this rank's file, index entries for meta.json) of the pieces this rank writes: views of the
+    model and optimizer state where they cover their storage (torch.save writes a storage once, whole), copies
+    where they do not (ZeRO-1/2's shard is a slice of the bucket of every rank's parameters)."""
     tensors, index = [], []
     for piece in local_pieces(parallel, topo):
         if not piece.writer:
@@ -256,7 +258,19 @@ def pieces_to_save(parallel: Any, topo: Any) -> tuple[list[dict], list[dict]]:
         index.append({"name": piece.name, "shape": list(piece.full_shape), "kinds": sorted(saved),
                       "position": len(tensors), "runs": compress(piece.runs)})
         tensors.append(saved)
-    return tensors, index
+    return _without_unsaved_bytes(tensors), index
+
+
+def _without_unsaved_bytes(tensors: list[dict]) -> list[dict]:
+    """Copy the tensors that are views of a storage the saved tensors do not cover (the rest of it would be written
+    too: at ZeRO-1/2, every rank's parameters); the others stay views (no copy in memory)."""
+    covered: dict[int, int] = {}
+    for saved in tensors:
+        for t in saved.values():
+            key = t.untyped_storage().data_ptr()
+            covered[key] = covered.get(key, 0) + t.numel() * t.element_size()
+    return [{kind: t if covered[t.untyped_storage().data_ptr()] >= t.untyped_storage().nbytes() else t.clone()
+             for kind, t in saved.items()} for saved in tensors]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,8 +286,8 @@ class PieceReader:
         self.entries: dict[str, list[dict]] = {}
         listed = meta.get("pieces")
         if not isinstance(listed, list):
-            raise ValueError(f"{step_dir / checkpoint.META} lists no pieces: it was written before checkpoints "
-                             "could be resharded; resume it with the layout that wrote it")
+            raise ValueError(f"{step_dir / checkpoint.META} lists no pieces: it is not a trainer's checkpoint "
+                             "(minidist.run_state)")
         for entry in listed:
             entry = self._checked(entry)
             self.entries.setdefault(entry["name"], []).append(entry)

@@ -1,8 +1,12 @@
 """A training run's state in a checkpoint, and how a run resumes from it.
 
-A checkpoint after step s holds everything the next step depends on: this rank's model and optimizer state, the
-learning-rate schedule, the sampler's position and the random generators. Restored, step s+1 is bit for bit the
-step the uninterrupted run took (tests/test_checkpoint.py checks it). The file format is minidist.checkpoint's.
+A checkpoint after step s holds everything the next step depends on. Each rank file holds that rank's *pieces*
+(minidist.reshard): the parts of the full model and optimizer state it is the first holder of, so a replica
+writes no copy of what another rank writes, and its random generators; rank 0's also holds the run state that
+does not depend on the layout: the learning-rate schedule, the sampler's position and the param groups' settings
+(betas, eps, weight decay). Every resume loads through the pieces, in the layout that wrote the checkpoint as in
+any other: the values copied are the saved numbers, so in the same layout step s+1 is bit for bit the step the
+uninterrupted run took (tests/test_checkpoint.py checks it). The file format is minidist.checkpoint's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import torch
 
-from minidist import checkpoint, replicas, reshard
+from minidist import checkpoint, optim, replicas, reshard
 from minidist.distributed import barrier_for
 from minidist.train_config import config_to_values
 
@@ -23,12 +27,15 @@ SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "se
 
 
 def save_run(run: Any, steps_done: int) -> None:
-    """Checkpoint after `steps_done` optimizer steps: this rank's state, plus meta.json from rank 0. The replicas
-    are compared first: a checkpoint must never preserve copies that disagree."""
+    """Checkpoint after `steps_done` optimizer steps: this rank's pieces and generators (rank 0: the run state too),
+    plus meta.json from rank 0. The replicas are compared first: a checkpoint must never preserve copies that
+    disagree (the first holder's would be kept, silently)."""
     replicas.check_run(run, f"check before the checkpoint at step {steps_done}")
-    pieces, index = reshard.pieces_to_save(run.parallel, run.topo)  # what another layout reads
-    state = {**run.parallel.state_dict(), "schedule": run.schedule.state_dict(),
-             "sampler": run.sampler.state_dict(), "rng": rng_state(), "pieces": pieces}
+    pieces, index = reshard.pieces_to_save(run.parallel, run.topo)
+    state = {"rng": rng_state(), "pieces": pieces}
+    if run.env.rank == 0:
+        state["run"] = {"schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(),
+                        "param_groups": optim.group_settings(run.parallel.optimizer)}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
     barrier = barrier_for(run.device) if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
@@ -69,45 +76,41 @@ def restore_run(run: Any) -> int | None:
     meta = checkpoint.load_meta(root, step)
     saved = meta.get("config")
     check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
-    if not same_layout(meta, run):
-        restore_resharded(run, checkpoint_dir(root, step), meta)
-        replicas.check_run(run, f"check after resuming from step {step} in another layout")
-        return step
-    state, meta = checkpoint.load_checkpoint(root, step, rank=run.env.rank, world_size=run.env.world_size)
-    try:  # plain data by now, but not necessarily the shape this run expects
-        run.schedule.load_state_dict(state["schedule"])
-        run.sampler.load_state_dict(state["sampler"])
-        run.parallel.load_state_dict(state)
-        set_rng_state(state["rng"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        lines = str(e).splitlines() or [""]
-        path = checkpoint_dir(root, step) / checkpoint.rank_file(run.env.rank)
-        raise ValueError(f"{path} does not fit this run: {type(e).__name__} {lines[0]}") from None
-    replicas.check_run(run, f"check after resuming from step {step}")  # rank files that disagree, loaded unevenly
+    same = same_layout(meta, run)
+    changed = restore_pieces(run, checkpoint_dir(root, step), meta, same)
+    if changed:
+        run.log(f"the checkpoint's optimizer settings are kept: {', '.join(changed)} (not this run's)")
+    # Copies that differ now come from the index (a piece that fills one replica and not another), not the files.
+    replicas.check_run(run, f"check after resuming from step {step}" + ("" if same else " in another layout"))
     return step
 
 
 def same_layout(meta: dict, run: Any) -> bool:
-    """Whether the checkpoint's rank files are this run's ranks' own (then they are loaded as they are)."""
+    """Whether the checkpoint's rank files are this run's ranks' own (then each rank restores its own generators)."""
     saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     return (meta.get("world_size") == run.env.world_size and meta.get("parallel") == dataclasses.asdict(run.topo.dims)
             and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages")))
 
 
-def restore_resharded(run: Any, step_dir: Path, meta: dict) -> None:
-    """Another layout wrote the checkpoint: each rank fills what it holds now from the pieces that intersect it
-    (minidist.reshard); the layout-free state (schedule, sampler, random generators) comes from rank 0's file."""
+def restore_pieces(run: Any, step_dir: Path, meta: dict, same: bool) -> list[str]:
+    """Each rank fills what it holds from the pieces that intersect it (minidist.reshard), whichever layout wrote
+    them; the run state comes from rank 0's file, the random generators from the rank's own file in the same
+    layout, else from rank 0's. Returns the optimizer settings the checkpoint changed (`optim.load_group_settings`)."""
     reader = reshard.PieceReader(step_dir, meta)
     first = reader.open(checkpoint.rank_file(0))
-    try:
-        run.schedule.load_state_dict(first["schedule"])
-        run.sampler.load_state_dict(first["sampler"])
+    own = reader.open(checkpoint.rank_file(run.env.rank)) if same else first
+    try:  # plain data by now (weights_only), but not necessarily the shape this run expects
+        state = first["run"]
+        run.schedule.load_state_dict(state["schedule"])
+        run.sampler.load_state_dict(state["sampler"])
+        changed = optim.load_group_settings(run.parallel.optimizer, state["param_groups"])
         reshard.load_pieces(run.parallel, run.topo, reader)
-        set_rng_state(first["rng"])
-    except (KeyError, TypeError, RuntimeError) as e:
+        set_rng_state(own["rng"])
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
         lines = str(e).splitlines() or [""]
-        raise ValueError(f"{step_dir} does not fit this run in its new layout: {type(e).__name__} {lines[0]}"
-                         ) from None
+        where = "" if same else " in its new layout"
+        raise ValueError(f"{step_dir} does not fit this run{where}: {type(e).__name__} {lines[0]}") from None
+    return changed
 
 
 def check_same_run(saved: dict, now: dict) -> None:

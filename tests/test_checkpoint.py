@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from minidist import checkpoint, train
+from minidist import checkpoint, reshard, train
 from minidist.train import ConfigError, TrainConfig
 
 SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
@@ -38,7 +38,7 @@ def test_resume_is_bitwise_exact(tmp_path, model):
     out = tmp_path / "run"
     full = train.train(small_config(out, model_overrides=model))
     uninterrupted = records(out)
-    final_model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=True)["model"]
+    final_model = reshard.read_full_model(out / "checkpoints" / "step_000006")
 
     # Pretend the run crashed after step 5 with its last checkpoint at step 3: metrics hold steps 0..5.
     shutil.rmtree(out / "checkpoints" / "step_000006")
@@ -49,8 +49,22 @@ def test_resume_is_bitwise_exact(tmp_path, model):
     assert resumed["losses"] == full["losses"][3:]  # bitwise: == on floats
     assert resumed["val_losses"] == {k: v for k, v in full["val_losses"].items() if k >= 3}
     assert without_timing(records(out)) == without_timing(uninterrupted)  # each step logged once, same values
-    model = torch.load(out / "checkpoints" / "step_000006" / "rank0.pt", weights_only=True)["model"]
-    assert all(torch.equal(model[k], final_model[k]) for k in final_model)
+    model = reshard.read_full_model(out / "checkpoints" / "step_000006")
+    assert sorted(model) == sorted(final_model) and all(torch.equal(model[k], final_model[k]) for k in final_model)
+
+
+def test_resume_keeps_the_checkpoints_optimizer_settings(tmp_path, capsys):
+    """The param groups' settings are restored as torch's load_state_dict would: a resume asked for another weight
+    decay and beta1 continues with the checkpoint's (bitwise the uninterrupted run) and says so in one line."""
+    out = tmp_path / "run"
+    full = train.train(small_config(out, steps=4, ckpt_every=2))
+    shutil.rmtree(out / "checkpoints" / "step_000004")
+    (out / "checkpoints" / "latest").write_text("step_000002\n")
+    capsys.readouterr()
+    resumed = train.train(small_config(out, steps=4, ckpt_every=2, resume=True, weight_decay=0.0, beta1=0.5))
+    assert resumed["losses"] == full["losses"][2:]
+    logged = capsys.readouterr().out
+    assert "optimizer settings are kept: weight_decay 0.1, betas (0.9, 0.95) (not this run's)" in logged, logged
 
 
 def test_resume_refuses_other_settings(tmp_path):

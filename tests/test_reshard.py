@@ -171,6 +171,31 @@ def test_one_writer_per_piece(chains) -> None:
         assert len(names) == len(set(names))
 
 
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else []
+    return [t for item in items for t in _tensors(item)]
+
+
+def test_replicas_write_no_bytes(chains) -> None:
+    """One writer per piece, in bytes: the rank 1 file of a dp2 (ZeRO-0) checkpoint holds no parameter or optimizer
+    state (rank 0 is the first holder of everything), and a dp2, a dp2 ZeRO-1 and a tp2 checkpoint each weigh what
+    the one-process checkpoint of the same model does, within 10% (index records, each rank's random generators)."""
+    def step_dir(chain: str, step: int) -> Path:
+        return Path(chains) / chain / "checkpoints" / checkpoint.step_dir_name(step)
+
+    def total(path: Path) -> int:
+        return sum(p.stat().st_size for p in path.glob("rank*.pt"))
+
+    one = total(step_dir("C", 2))  # one process, after 2 steps (every optimizer state exists)
+    rank1 = torch.load(step_dir("A", 2) / "rank1.pt", weights_only=True)
+    assert rank1["pieces"] == [] and "run" not in rank1
+    assert not [t for t in _tensors(rank1) if t.is_floating_point()]  # its generators' bytes only
+    for name, path in (("dp2", step_dir("A", 2)), ("dp2 ZeRO-1", step_dir("B", 4)), ("tp2", step_dir("A", 4))):
+        assert total(path) <= 1.1 * one, f"{name}: {total(path)} bytes, one process {one}"
+
+
 def test_runs_of_blocks_and_zero_ranges() -> None:
     full = torch.arange(4 * 6 * 2).reshape(4, 6, 2)
     for offsets, shape in (((0, 0, 0), (4, 6, 2)), ((2, 0, 0), (2, 6, 2)), ((0, 3, 0), (4, 3, 2)),

@@ -116,6 +116,24 @@ def test_damaged_rank_file_is_one_line_naming_it(run, damage, words):
     assert str(path) in message and words in message, message
 
 
+@pytest.mark.parametrize("change, words", [
+    (lambda state: state.pop("run"), "does not fit this run: KeyError 'run'"),
+    (lambda state: state["run"]["param_groups"]["decay"].update(betas="fast"), "betas='fast' does not fit"),
+    (lambda state: state["run"]["param_groups"]["decay"].update(eps=float("nan")), "eps=nan does not fit"),
+    (lambda state: state["run"]["param_groups"].pop("no_decay"), "settings of param group no_decay"),
+    (lambda state: state["pieces"].pop(), "does not hold the value of piece"),
+])
+def test_rank_file_of_other_contents_is_one_line(run, change, words):
+    """Tensors and plain data with valid checksums, but not what a run's checkpoint holds."""
+    step_dir = run / "checkpoints" / "step_000004"
+    state = torch.load(step_dir / "rank0.pt", weights_only=True)
+    change(state)
+    torch.save(state, step_dir / "rank0.pt")
+    record_checksum(step_dir, "rank0.pt")
+    message = refusal(run, resume=True)
+    assert words in message, message
+
+
 def test_save_fsyncs_each_file_and_directory_before_publishing(tmp_path, monkeypatch):
     events = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace

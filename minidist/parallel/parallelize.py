@@ -295,13 +295,6 @@ class ParallelModel:
                     comm.all_reduce(sums)
         return moe_routing.moe_stats(self.model, reduce)
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
     def full_parameters(self) -> Iterator[torch.Tensor]:
         """This rank's parameters in model order, whole under ZeRO-3: gathered one unit at a time as the caller
         iterates, so a hash never holds the whole model (collective: every rank iterates to the end)."""
