@@ -10,7 +10,8 @@
         step_000200/
 
 What the files hold is the caller's (minidist.run_state); the trainer writes each element of the model and of its
-optimizer state once, in the file of its first holder (minidist.reshard), so dp replicas add no bytes.
+optimizer state once, in the file of its first holder (minidist.reshard): a dp replica's file holds only its
+random generators.
 
 Atomicity: a crash mid-write must never leave a directory that looks complete. Every rank writes into
 `.tmp_step_XXXXXX/` its state file and a small `rankR.sha256` note (the file's size and digest, computed where it

@@ -134,6 +134,14 @@ def test_rank_file_of_other_contents_is_one_line(run, change, words):
     assert words in message, message
 
 
+def test_checkpoint_of_an_older_format_is_one_line(run):
+    path = run / "checkpoints" / "step_000004" / "meta.json"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "format": checkpoint.FORMAT_VERSION - 1}))
+    message = refusal(run, resume=True)
+    assert f"has format {checkpoint.FORMAT_VERSION - 1}, this code reads {checkpoint.FORMAT_VERSION}" in message
+
+
 def test_save_fsyncs_each_file_and_directory_before_publishing(tmp_path, monkeypatch):
     events = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
