@@ -21,57 +21,30 @@ import time
 
 import torch
 
+from minidist.convert_hf import ConvertError, to_hf_state
 from minidist.flops import flops_per_token, measure_peak_flops
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.config import ModelConfig
 
 
-def reference_model(cfg: ModelConfig):
-    """A transformers LlamaForCausalLM with the shapes of cfg (a Llama-style preset)."""
+def reference_model(cfg: ModelConfig, ours: torch.nn.Module):
+    """A transformers LlamaForCausalLM with the shapes of cfg and our model's weights, through the package's own
+    converter (minidist.convert_hf: the config, the names and, for an interleaved RoPE layout, the q/k rows)."""
     try:
         import transformers
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         sys.exit("bench/model.py needs Hugging Face transformers for its reference model: "
                  ".venv/bin/pip install transformers  (or: pip install -e '.[bench]')")
-    if (cfg.mlp, cfg.norm, cfg.position, cfg.bias, cfg.rope_layout, cfg.attention) != (
-            "swiglu", "rmsnorm", "rope", False, "half", "gqa") or cfg.rope_scaling.kind != "none" or cfg.moe.n_experts:
-        sys.exit("the reference is HF Llama: use a preset with swiglu, rmsnorm, rope (half layout), no bias, gqa, "
-                 "no rope scaling, no MoE (e.g. tiny, small)")
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, attention_bias=False, mlp_bias=False,
-        hidden_act="silu", use_cache=False,
-    )
+    try:
+        hf_values, hf_state = to_hf_state(cfg, ours.state_dict())
+    except ConvertError as e:
+        sys.exit(f"the reference is HF Llama: {e} (use e.g. the tiny or small preset)")
+    hf_cfg = LlamaConfig.from_dict({**hf_values, "use_cache": False})
     hf_cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(hf_cfg), transformers.__version__
-
-
-@torch.no_grad()
-def copy_weights(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
-    """Our parameter names -> HF Llama's. Both use rotate_half RoPE ("half" layout), so q/k need no permutation."""
-    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
-    per_layer = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-                 "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
-                 "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
-                 "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w3.weight": "mlp.up_proj.weight",
-                 "mlp.w2.weight": "mlp.down_proj.weight"}
-    ref_params = dict(ref.named_parameters())
-    copied = set()
-    for name, p in ours.named_parameters():
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            target = f"model.layers.{i}.{per_layer[rest]}"
-        else:
-            target = names[name]
-        ref_params[target].copy_(p)
-        copied.add(target)
-    missing = sorted(set(ref_params) - copied)
-    if missing:
-        raise RuntimeError(f"reference parameters with no minidist counterpart: {missing[:5]}")
+    ref = LlamaForCausalLM(hf_cfg)
+    ref.load_state_dict(hf_state, strict=not cfg.tie_embeddings)  # tied: lm_head is the embedding, as HF saves it
+    return ref, transformers.__version__
 
 
 def main() -> None:
@@ -89,8 +62,7 @@ def main() -> None:
 
     cfg = get_preset(args.preset)
     ours = build_model(cfg, seed=args.seed)
-    ref, hf_version = reference_model(cfg)
-    copy_weights(ours, ref)
+    ref, hf_version = reference_model(cfg, ours)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
     with torch.no_grad():
