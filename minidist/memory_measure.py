@@ -53,26 +53,40 @@ def measure_model_states(parallel: Any) -> dict[str, int]:
     return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
 
 
+def random_batch(cfg: ModelConfig, seq_len: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (inputs, targets) every case of a measurement trains on: the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    return inputs, torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+
+
+def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Tensor], seed: int
+               ) -> tuple[Any, Topology, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """One case {"dims": ParallelDims fields, "options": ParallelOptions fields, "recompute": bool} on this rank:
+    (the parallelized model, its topology, this rank's micro-batches of `data`, the model's buffers)."""
+    dims = ParallelDims(**case["dims"])
+    options = ParallelOptions(**case.get("options", {}))
+    topo = Topology(dims, dist.get_rank(), dist.get_world_size())
+    model = build_model(cfg, seed=seed)
+    if case.get("recompute"):
+        apply_recompute(model)
+    buffers = list(model.buffers())
+    parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
+    inputs, targets = data
+    rows = inputs.shape[0] // dims.dp
+    mine = slice(topo.coord("dp") * rows, (topo.coord("dp") + 1) * rows)
+    batches = list(zip(inputs[mine].chunk(options.microbatches), targets[mine].chunk(options.microbatches)))
+    return parallel, topo, batches, buffers
+
+
 def measure_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch: int, seed: int = 0) -> list[dict]:
     """Rank function: for each case {"label", "dims": ParallelDims fields, "options": ParallelOptions fields,
     "recompute": bool}, build the layout, take one step and measure the next; return this rank's bytes by part
     (params, grads, optimizer, activations) with its coordinates (pp, tp, dp, cp, ep) per case."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
-    targets = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    data = random_batch(cfg, seq_len, global_batch, seed)
     results = []
     for case in cases:
-        dims = ParallelDims(**case["dims"])
-        options = ParallelOptions(**case.get("options", {}))
-        topo = Topology(dims, dist.get_rank(), dist.get_world_size())
-        model = build_model(cfg, seed=seed)
-        if case.get("recompute"):
-            apply_recompute(model)
-        buffers = [b for b in model.buffers()]
-        parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
-        rows = global_batch // dims.dp
-        mine = slice(topo.coord("dp") * rows, (topo.coord("dp") + 1) * rows)
-        batches = list(zip(inputs[mine].chunk(options.microbatches), targets[mine].chunk(options.microbatches)))
+        parallel, topo, batches, buffers = build_case(cfg, case, data, seed)
         parallel.forward_backward(batches)
         parallel.clip_grad_norm_(0.0)
         parallel.step()

@@ -20,13 +20,10 @@ import torch.distributed as dist
 
 from minidist.cost_model import fit_alpha_beta
 from minidist.hardware import Link
-from minidist.memory import apply_recompute
-from minidist.model import ModelConfig, build_model
-from minidist.optim import build_optimizer
-from minidist.parallel import ParallelOptions, parallelize
+from minidist.memory_measure import build_case, random_batch
+from minidist.model import ModelConfig
 from minidist.peak import measure_matmul_peak, model_matmul_shapes
 from minidist.plan_cost import Cluster
-from minidist.topology import ParallelDims, Topology
 
 
 def measure_machine(cfg: ModelConfig, tokens: int, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**21),
@@ -65,21 +62,10 @@ def time_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch
     """Rank function: for each case {"label", "dims", "options", "recompute"} (as `memory_measure`), one warm-up
     step then `steps` timed steps (all ranks start each after a barrier); the fastest, the least disturbed by
     other jobs on a shared machine."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
-    targets = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    data = random_batch(cfg, seq_len, global_batch, seed)
     results = []
     for case in cases:
-        dims = ParallelDims(**case["dims"])
-        options = ParallelOptions(**case.get("options", {}))
-        topo = Topology(dims, dist.get_rank(), dist.get_world_size())
-        model = build_model(cfg, seed=seed)
-        if case.get("recompute"):
-            apply_recompute(model)
-        parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
-        rows = global_batch // dims.dp
-        mine = slice(topo.coord("dp") * rows, (topo.coord("dp") + 1) * rows)
-        batches = list(zip(inputs[mine].chunk(options.microbatches), targets[mine].chunk(options.microbatches)))
+        parallel, _, batches, _ = build_case(cfg, case, data, seed)
         seconds = []
         for step in range(steps + 1):
             dist.barrier()
