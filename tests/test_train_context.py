@@ -4,13 +4,10 @@ layout that cannot work fails with a one-line ConfigError before any process gro
 runs every layout through `train(cfg)`."""
 
 import functools
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import trainer_parity
 
-from minidist import train
 from minidist.distributed import resolve_parallel_dims
 from minidist.launch import run_ranks
 from minidist.train import ConfigError, TrainConfig, check_config
@@ -33,13 +30,7 @@ def config(out: str, **changes) -> TrainConfig:
 
 
 def _rank_layouts(root: str) -> dict:
-    results = {}
-    for name, changes in LAYOUTS.items():
-        out = str(Path(root) / name.replace(" ", "_"))
-        summary = train.train(config(out, **changes))
-        dist.barrier()  # rank 0 has written metrics.jsonl
-        results[name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
-    return results
+    return trainer_parity.train_layouts(root, LAYOUTS, config)
 
 
 @functools.lru_cache(maxsize=1)

@@ -42,13 +42,7 @@ def config(out: str, **changes) -> TrainConfig:
 
 def _rank_layouts(root: str) -> dict:
     """The rank function: every layout through `train.train`, then a tp2 x pp2 run resumed from step 2."""
-    results = {}
-    for name, changes in LAYOUTS.items():
-        out = str(Path(root) / name.replace(" ", "_"))
-        summary = train.train(config(out, **changes))
-        dist.barrier()  # rank 0 has written metrics.jsonl
-        results[name] = {"losses": summary["losses"], "records": trainer_parity.records(out),
-                         "hash": summary["param_hash"]}
+    results = trainer_parity.train_layouts(root, LAYOUTS, config)
     out = str(Path(root) / "resume")
     first = train.train(config(out, pp=2, tp=2, ckpt_every=2))
     dist.barrier()

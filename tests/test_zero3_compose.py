@@ -7,14 +7,13 @@ One launch of 4 ranks runs every case."""
 
 import functools
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import trainer_parity
 
-from minidist import health, train
+from minidist import health
 from minidist.launch import run_ranks
 from minidist.model import build_model
 from minidist.optim import build_optimizer
@@ -140,13 +139,8 @@ def _replica_check(root: str) -> dict:
 
 
 def _rank_layouts(root: str) -> dict:
-    results = {}
     layouts = {**LAYOUTS, **{k: dict(v, model_overrides=TIED) for k, v in TIED_LAYOUTS.items()}}
-    for name, changes in layouts.items():
-        out = str(Path(root) / name.replace(" ", "_"))
-        summary = train.train(config(out, **changes))  # the last step's replica check compares the tied copies
-        dist.barrier()  # rank 0 has written metrics.jsonl
-        results[name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
+    results = trainer_parity.train_layouts(root, layouts, config)  # each last step's replica check: the tied copies
     for case in (_stage_gathers, _final_gather, _replica_check):
         results[case.__name__] = case(root)
         dist.barrier()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from minidist import train
 from minidist.debug import tolerance
@@ -16,6 +17,18 @@ from minidist.debug import tolerance
 def records(out: str) -> list[dict]:
     """The metrics.jsonl rows a run wrote to `out`."""
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_layouts(root: str, layouts: dict[str, dict], config: Callable[..., train.TrainConfig]) -> dict:
+    """Rank function body: every layout {name: config changes} through `train.train` into root/<name>; per name
+    this rank's losses and parameter hash, and the metrics rank 0 wrote."""
+    results = {}
+    for name, changes in layouts.items():
+        out = str(Path(root) / name.replace(" ", "_"))
+        summary = train.train(config(out, **changes))
+        dist.barrier()  # rank 0 has written metrics.jsonl
+        results[name] = {"losses": summary["losses"], "records": records(out), "hash": summary["param_hash"]}
+    return results
 
 
 def single_process_records(out: str, config: Callable[[str], train.TrainConfig]) -> list[dict]:
