@@ -38,7 +38,6 @@ from minidist.launch import RankFailed, run_ranks
 from minidist.parallel.pipeline_p2p import peer_of
 from minidist.parallel.schedules import RECV_B, RECV_F, SEND_B, SEND_F, build_schedule
 
-HANGS = ["skipped-collective", "shape-mismatch", "p2p-order", "interleaved-few-microbatches", "rank0-branch"]
 WORLD = 2
 
 
@@ -128,3 +127,4 @@ def _rank0_branch(comm: Comm, rank: int) -> None:
 
 _SCENARIOS = {"skipped-collective": _skipped_collective, "shape-mismatch": _shape_mismatch, "p2p-order": _p2p_order,
               "interleaved-few-microbatches": _interleaved_few_microbatches, "rank0-branch": _rank0_branch}
+HANGS = list(_SCENARIOS)  # the names, in the order the chapter shows them
