@@ -101,16 +101,10 @@ class ExpertReplicas:
 
     # -- whole views (collective over each engine's group) ------------------------------------------------------------
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by name in model order: whole dense ones, this rank's block of experts."""
-        if self.stage == 0:
-            return {n: p.detach() for n, p in self.model.named_parameters()}
-        found = {**self.engines[0].full_parameters(), **self.engines[1].full_parameters()}
-        return {n: found[n] for n, _ in self.model.named_parameters() if n in found}
-
     def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, value) in model order, one at a time (ZeRO-3: one unit of one engine gathered at a time; every
-        rank walks the model in the same order, so the two groups' gathers interleave alike on all ranks)."""
+        """This rank's parameters (whole dense ones, this rank's block of experts) as (name, value) in model order,
+        one at a time (ZeRO-3: one unit of one engine gathered at a time; every rank walks the model in the same
+        order, so the two groups' gathers interleave alike on all ranks)."""
         if self.stage == 0:
             yield from ((n, p.detach()) for n, p in self.model.named_parameters())
             return
