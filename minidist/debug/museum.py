@@ -205,14 +205,18 @@ def bug(name: str) -> Iterator[Bug]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def localize(name: str, record: dict, reference: dict, dtype: str = "fp32") -> grad_diff.Report:
-    """The layer-by-layer diff the exhibit calls for, at the tolerance of one step."""
-    kind, tol = BUGS[name].diff, tolerance.rel_tol(dtype, steps=1)
+def _diff(kind: str, record: dict, reference: dict, tol: float) -> grad_diff.Report:
+    """The layer-by-layer diff of `kind`: grads, params (the initial ones) or contributions (to the grad norm)."""
     if kind == "params":
         return grad_diff.diff(record["params0"], reference["params0"], tol)
     if kind == "contributions":
         return grad_diff.diff_contributions(record["contributions"], reference["grads"], tol)
     return grad_diff.diff(record["grads"], reference["grads"], tol)
+
+
+def localize(name: str, record: dict, reference: dict, dtype: str = "fp32") -> grad_diff.Report:
+    """The layer-by-layer diff the exhibit calls for, at the tolerance of one step."""
+    return _diff(BUGS[name].diff, record, reference, tolerance.rel_tol(dtype, steps=1))
 
 
 def checks(record: dict, reference: dict, dims: dict, dtype: str = "fp32") -> dict[str, str | None]:
@@ -228,11 +232,9 @@ def checks(record: dict, reference: dict, dims: dict, dtype: str = "fp32") -> di
     norm, ref_norm = record["norms"][0], reference["norms"][0]
     out["grad_norm"] = (None if abs(norm - ref_norm) <= tol * ref_norm
                         else f"grad norm {norm:.6g} vs one process {ref_norm:.6g} (ratio {norm / ref_norm:.4g})")
-    for key, reference_key in (("grads", "grads"), ("params", "params0")):
-        report = grad_diff.diff(record[reference_key], reference[reference_key], tol)
-        out[key] = None if report.ok else report.summary()
-    report = grad_diff.diff_contributions(record["contributions"], reference["grads"], tol)
-    out["contributions"] = None if report.ok else report.summary()
+    for kind in ("grads", "params", "contributions"):
+        report = _diff(kind, record, reference, tol)
+        out[kind] = None if report.ok else report.summary()
     return out
 
 
