@@ -206,14 +206,19 @@ def load_checkpoint(root: str | os.PathLike, step: int, *, rank: int = 0, world_
             "are not this layout's (minidist.reshard reads a checkpoint of any layout)"
         )
     path = Path(root) / step_dir_name(step) / rank_file(rank)
-    verify_file(path, meta["files"][path.name])
+    return read_rank_file(path, meta["files"][path.name]), meta
+
+
+def read_rank_file(path: Path, recorded: Any, *, mmap: bool = False) -> Any:
+    """A rank file's contents, checked first against the size and SHA-256 meta.json `recorded` (`verify_file`).
+    `mmap`: map the file instead of reading it, so only the bytes used are read (minidist.reshard)."""
+    verify_file(path, recorded)
     try:
         # weights_only: the unpickler builds tensors and plain containers only, never an arbitrary object.
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - whatever a hostile file makes torch raise becomes one line
         raise ValueError(f"{path} was refused: it holds more than tensors and plain data "
                          f"({type(e).__name__})") from None
-    return state, meta
 
 
 def verify_file(path: Path, recorded: Any) -> None:

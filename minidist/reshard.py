@@ -321,12 +321,7 @@ class PieceReader:
             path = self.step_dir / name
             if name not in self.files:
                 raise ValueError(f"{path} is not listed in meta.json")
-            checkpoint.verify_file(path, self.files[name])
-            try:  # weights_only: tensors and plain containers, never an object
-                self.opened[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # noqa: BLE001 - whatever a hostile file makes torch raise becomes one line
-                raise ValueError(f"{path} was refused: it holds more than tensors and plain data "
-                                 f"({type(e).__name__})") from None
+            self.opened[name] = checkpoint.read_rank_file(path, self.files[name], mmap=True)
         return self.opened[name]
 
     def tensor(self, entry: dict, kind: str) -> torch.Tensor:
