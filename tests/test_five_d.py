@@ -15,14 +15,11 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import trainer_parity
 
-from minidist import train
 from minidist.distributed import resolve_parallel_dims
 from minidist.launch import run_ranks
 from minidist.train import TrainConfig
@@ -102,13 +99,8 @@ def test_the_matrix_covers_every_pair() -> None:
 
 
 def _rank_runs(root: str, world: int) -> dict:
-    results = {}
-    for layout in (m for m in MATRIX if m.world == world):
-        out = str(Path(root) / layout.name.replace(" ", "_"))
-        summary = train.train(config(out, layout.kind, layout.tied, **layout.settings))
-        dist.barrier()  # rank 0 has written metrics.jsonl
-        results[layout.name] = {"losses": summary["losses"], "records": trainer_parity.records(out)}
-    return results
+    layouts = {m.name: dict(m.settings, kind=m.kind, tied=m.tied) for m in MATRIX if m.world == world}
+    return trainer_parity.train_layouts(root, layouts, config)
 
 
 @functools.lru_cache(maxsize=2)
