@@ -17,6 +17,7 @@ keeps working as long as the sharded weight stays 2-D and the embedding stays an
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,9 +58,7 @@ def group_settings(optimizer: torch.optim.Optimizer) -> dict[str, dict]:
     ZeRO engine or ExpertReplicas: their `param_groups` are their shards'). What a checkpoint keeps besides the
     state tensors; layout-free, since groups of one name hold the same settings on every rank and shard."""
     out: dict[str, dict] = {}
-    for i, group in enumerate(optimizer.param_groups):
-        name = str(group.get("name", i))
-        settings = {k: v for k, v in group.items() if k not in IMPLEMENTATION}
+    for name, _, settings in _named_settings(optimizer):
         if out.setdefault(name, settings) != settings:
             raise ValueError(f"param groups named {name} differ: {out[name]} and {settings}")
     return out
@@ -72,9 +71,7 @@ def load_group_settings(optimizer: torch.optim.Optimizer, saved: object) -> list
     if not isinstance(saved, dict):
         raise ValueError(f"the param-group settings are a {type(saved).__name__}, not a dict by group name")
     changed = []
-    for i, group in enumerate(optimizer.param_groups):
-        name = str(group.get("name", i))
-        mine = {k: v for k, v in group.items() if k not in IMPLEMENTATION}
+    for name, group, mine in _named_settings(optimizer):
         theirs = saved.get(name)
         if not isinstance(theirs, dict) or sorted(theirs) != sorted(mine):
             raise ValueError(f"the checkpoint's settings of param group {name} are not {sorted(mine)}")
@@ -85,6 +82,13 @@ def load_group_settings(optimizer: torch.optim.Optimizer, saved: object) -> list
                 changed.append(f"{key} {value}")
         group.update(theirs)
     return changed
+
+
+def _named_settings(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, dict, dict]]:
+    """(name, group, settings) of every param group: its name (its index if unnamed), the group, and its keys
+    but IMPLEMENTATION's."""
+    for i, group in enumerate(optimizer.param_groups):
+        yield str(group.get("name", i)), group, {k: v for k, v in group.items() if k not in IMPLEMENTATION}
 
 
 def _same_kind(value: object, like: object) -> bool:
