@@ -59,6 +59,11 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def sp_degree(self) -> int:
+        """What sequence parallelism splits the tokens outside the tp regions over: tp when on, else 1."""
+        return self.tp if self.sp and self.tp > 1 else 1
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -104,8 +109,12 @@ def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tu
 
 def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
     """(dense blocks, MoE blocks) pipeline rank `stage` holds."""
-    return _stage_kinds(cfg.n_layers, cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers,
-                        pp, virtual_stages, stage)
+    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages, stage)
+
+
+def _first_moe_layer(cfg: ModelConfig) -> int:
+    """The index of the first MoE block (n_layers for a dense model)."""
+    return cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
 
 
 def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
@@ -188,7 +197,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
     """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each)."""
     tp, d = layout.tp, cfg.d_model
     n = tokens
-    sp = tp if layout.sp and tp > 1 else 1
+    sp = layout.sp_degree
     # Each region (attention, feed-forward) starts with a norm; its output is the region's input, which the first
     # linears save: whole (no SP), or gathered over the sequence (SP): p·n·d either way.
     norms = 2 * (_norm_bytes(n, d, p, sp) + p * n * d)
@@ -224,7 +233,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
 
 def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
-    sp = layout.tp if layout.sp and layout.tp > 1 else 1
+    sp = layout.sp_degree
     return _norm_bytes(tokens, cfg.d_model, p, sp) + p * tokens * cfg.d_model + \
         4 * tokens * cfg.vocab_size / layout.tp + 8 * tokens
 
@@ -237,10 +246,10 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     tokens = micro_batch * seq_len // layout.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
     n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
-    first_moe = cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
+    first_moe = _first_moe_layer(cfg)
     per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
                 for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
-    sp = layout.tp if layout.sp and layout.tp > 1 else 1
+    sp = layout.sp_degree
     if layout.recompute == "full":
         kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
         transient = max(b for _, b in per_kind)

@@ -152,7 +152,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                                                                  cluster.link(layout.tp * layout.ep))
     pp = 0.0
     if layout.pp > 1:
-        sp = layout.tp if layout.sp else 1
+        sp = layout.sp_degree
         span = 2 * layout.tp * layout.cp * layout.dp
         pp = 2 * m * v * collective_time("send", act / sp, 2, cluster.link(span))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
