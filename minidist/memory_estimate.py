@@ -64,6 +64,11 @@ class Layout:
         """What sequence parallelism splits the tokens outside the tp regions over: tp when on, else 1."""
         return self.tp if self.sp and self.tp > 1 else 1
 
+    @property
+    def replicas(self) -> dict[str, int]:
+        """How many ranks hold a copy of each kind of parameter: dense over dp·cp, experts over edp = dp·cp / ep."""
+        return {"dense": self.dp * self.cp, "experts": self.dp * self.cp // self.ep}
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -161,10 +166,9 @@ def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = F
                       stage: int = 0) -> dict[str, float]:
     """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group."""
     counts = rank_params(cfg, layout, stage)
-    replicas = {"dense": layout.dp * layout.cp, "experts": layout.dp * layout.cp // layout.ep}
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for kind, n in counts.items():
-        r = replicas[kind]
+        r = layout.replicas[kind]
         out["params"] += precision.param * n / (r if layout.zero >= 3 else 1)
         out["grads"] += precision.grad * n / (r if layout.zero >= 2 else 1)
         out["optimizer"] += precision.optimizer * n / (r if layout.zero >= 1 else 1)

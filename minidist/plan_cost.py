@@ -165,7 +165,7 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
     """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups."""
     counts = rank_params(cfg, layout, 0)
     span = layout.tp * layout.cp * layout.dp
-    groups = [(counts["dense"], layout.dp * layout.cp), (counts["experts"], layout.dp * layout.cp // layout.ep)]
+    groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
     m, backward = layout.microbatches, 2 * compute / 3
     overlappable = exposed = 0.0
     for n, size in groups:
