@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from minidist import checkpoint, hf_files
-from minidist.convert_hf import ConvertError, expected_shapes, from_hf_state, hf_name, to_hf_state
+from minidist.convert_hf import ConvertError, from_hf_state, hf_shapes, model_config_from_hf, to_hf_state
 from minidist.model import ModelConfig
 from minidist.model.config import config_to_dict
 from minidist.train_config import ConfigError, config_from_values, config_to_values, model_config, parse_config
@@ -95,9 +95,7 @@ def to_hf(run_out: Path, hf_dir: Path) -> Path:
 def read_hf(hf_dir: Path, rope_layout: str = "half") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The minidist ModelConfig and fp32 state of a Hugging Face Llama checkpoint directory, checked."""
     config = hf_files.read_config(hf_dir)
-    from minidist.convert_hf import model_config_from_hf
-
-    shapes = {hf_name(n): s for n, s in expected_shapes(model_config_from_hf(config, rope_layout)).items()}
+    shapes = hf_shapes(model_config_from_hf(config, rope_layout))  # to check each tensor before reading it
     return from_hf_state(config, hf_files.read_weights(hf_dir, shapes), rope_layout)
 
 

@@ -65,6 +65,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """`expected_shapes` under the HF names: what a Llama checkpoint of `cfg` holds (lm_head too, even when tied)."""
+    return {hf_name(name): shape for name, shape in expected_shapes(cfg).items()}
+
+
 def _permute_heads(w: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
     """Reorder the output rows of every head of a [heads·head_dim, d] weight by `perm` (a gather: exact)."""
     return w.reshape(-1, head_dim, w.shape[-1])[:, perm, :].reshape(w.shape)
@@ -264,7 +269,7 @@ def from_hf_state(hf_config_dict: dict[str, Any], hf_state: dict[str, torch.Tens
     in the result also when tied (as in `Transformer.state_dict()`). `rope_layout` is the layout the minidist
     model will store its heads in (HF's is "half": no permutation)."""
     cfg = model_config_from_hf(hf_config_dict, rope_layout)
-    shapes = {hf_name(name): shape for name, shape in expected_shapes(cfg).items()}
+    shapes = hf_shapes(cfg)
     hf_state = {k: v for k, v in hf_state.items() if not (isinstance(k, str) and k.endswith(DERIVED_SUFFIX))}
     if cfg.tie_embeddings:
         lm_head = hf_state.pop("lm_head.weight", None)
