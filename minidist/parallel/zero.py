@@ -133,15 +133,16 @@ class ZeroOptimizer:
         return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], after_launch=self.params.release,
                                             divisor=self.grad_divisor)
 
-    def _owned_slices(self) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
-        """(parameter, its slice of this rank's parameter shard, the same slice of the gradient shard), for every
-        parameter that overlaps this rank's slice of its bucket. Views: updating them updates the shards."""
+    def _owned_slices(self) -> Iterator[tuple[nn.Parameter, int, torch.Tensor, torch.Tensor]]:
+        """(parameter, the first of its flattened elements in this rank's slice, its slice of this rank's parameter
+        shard, the same slice of the gradient shard), for every parameter that overlaps this rank's slice of its
+        bucket. Views: updating them updates the shards."""
         for bucket in self.buckets:
             start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
             for param, offset, n in zip(bucket.params, bucket.offsets, bucket.numels):
                 lo, hi = max(offset, start) - start, min(offset + n, stop) - start
                 if lo < hi:
-                    yield param, bucket.param_shard[lo:hi], bucket.grad_shard[lo:hi]
+                    yield param, lo + start - offset, bucket.param_shard[lo:hi], bucket.grad_shard[lo:hi]
 
     def _shard_optimizer(self, template: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The template's optimizer class and param groups, over this rank's slices of each parameter."""
@@ -150,7 +151,7 @@ class ZeroOptimizer:
         if missing:
             raise ValueError(f"parameter {missing[0]} requires grad but is not in the optimizer")
         pieces: list[list[torch.Tensor]] = [[] for _ in template.param_groups]
-        for param, piece, grad in self._owned_slices():
+        for param, _, piece, grad in self._owned_slices():
             piece.grad = grad
             pieces[group_of[id(param)]].append(piece)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": p}
@@ -182,7 +183,7 @@ class ZeroOptimizer:
         what the optimizer step reads); at stage 0, each parameter's whole `.grad`."""
         if self.stage == 0:
             return [(p.grad, self.placements[id(p)]) for b in self.buckets for p in b.params if p.grad is not None]
-        return [(grad, self.placements[id(param)]) for param, _, grad in self._owned_slices()]
+        return [(grad, self.placements[id(param)]) for param, _, _, grad in self._owned_slices()]
 
     def owned_ranges(self) -> list[tuple[str, int, int, torch.Tensor]]:
         """(name, start, stop, key) per parameter this rank updates: its elements [start, stop) of the parameter's
@@ -190,15 +191,11 @@ class ZeroOptimizer:
         the parameter, whole). What a checkpoint that another layout can read is built from (minidist/reshard.py)."""
         if self.stage == 0:
             return [(n, 0, p.numel(), p) for n, p in self.named]
+        # the optimizer holds the views an earlier _owned_slices made: each found by its address
         keys = {piece.data_ptr(): piece for g in self.optimizer.param_groups for piece in g["params"]}
-        out = []
-        for bucket in self.buckets:
-            start, stop = bucket.shard_range(self.comm.rank, self.comm.size)
-            for name, offset, n in zip(bucket.names, bucket.offsets, bucket.numels):
-                lo, hi = max(offset, start), min(offset + n, stop)
-                if lo < hi:  # the optimizer holds the very view _owned_slices made: found by its address
-                    out.append((name, lo - offset, hi - offset, keys[bucket.param_shard[lo - start:].data_ptr()]))
-        return out
+        names = {id(p): n for n, p in self.named}
+        return [(names[id(param)], first, first + piece.numel(), keys[piece.data_ptr()])
+                for param, first, piece, _ in self._owned_slices()]
 
     def norm_groups(self) -> dict[str, Comm]:
         """The groups over which `grad_pieces()` are disjoint: dp_cp when sharded; none when every rank holds the
@@ -275,7 +272,7 @@ class ZeroOptimizer:
             return {n: p.detach() for n, p in self.named}
         names = {id(p): n for n, p in self.named}
         pieces = {n: p.new_empty(0) for n, p in self.named}
-        pieces.update({names[id(param)]: piece for param, piece, _ in self._owned_slices()})
+        pieces.update({names[id(param)]: piece for param, _, piece, _ in self._owned_slices()})
         return pieces
 
     # -- memory ---------------------------------------------------------------------------------------------------
