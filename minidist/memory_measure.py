@@ -24,6 +24,7 @@ from minidist.memory import PeakSavedBytes, apply_recompute
 from minidist.model import ModelConfig, build_model
 from minidist.optim import build_optimizer
 from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel.data_parallel import split_batch
 from minidist.parallel.zero_bytes import storage_bytes
 from minidist.topology import ParallelDims, Topology
 
@@ -72,10 +73,7 @@ def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Ten
         apply_recompute(model)
     buffers = list(model.buffers())
     parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
-    inputs, targets = data
-    rows = inputs.shape[0] // dims.dp
-    mine = slice(topo.coord("dp") * rows, (topo.coord("dp") + 1) * rows)
-    batches = list(zip(inputs[mine].chunk(options.microbatches), targets[mine].chunk(options.microbatches)))
+    batches = split_batch(*data, topo.coord("dp"), dims.dp, options.microbatches)
     return parallel, topo, batches, buffers
 
 

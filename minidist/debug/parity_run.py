@@ -27,7 +27,7 @@ from minidist.launch import run_ranks
 from minidist.model import ModelConfig, build_model, get_preset
 from minidist.optim import build_optimizer
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.data_parallel import DataParallel, split_batch
 from minidist.parallel.parallelize import IGNORE_INDEX
 from minidist.precision import autocast_for
 from minidist.replicas import ReplicasDiffer, check_replicas, replica_comms
@@ -76,11 +76,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def local_batches(step: int, topo: Topology, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's rows of the global batch of `step` (a contiguous block per dp rank), in micro-batches."""
-    inputs, targets = global_batch(step)
-    rows = GLOBAL_BATCH // topo.size("dp")
-    first = topo.coord("dp") * rows
-    batches = list(zip(inputs[first:first + rows].chunk(setup.microbatches),
-                       targets[first:first + rows].chunk(setup.microbatches)))
+    batches = split_batch(*global_batch(step), topo.coord("dp"), topo.size("dp"), setup.microbatches)
     return batches[::-1] if setup.reverse else batches
 
 
