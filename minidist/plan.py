@@ -32,12 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minidist.flops import count_params
-from minidist.hardware import CHIP_LINKS
+from minidist.hardware import CHIP_LINKS, GIB
 from minidist.memory_estimate import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
 from minidist.model.config import MOE_PRESETS, PRESETS, ModelConfig, get_preset
 from minidist.plan_cost import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
 
-GIB = 2**30
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
 MIN_CP_TOKENS = 1024
