@@ -101,7 +101,6 @@ def _one_process(root: str, chain: str, i: int) -> None:
     trainer_parity.single_process_records(str(Path(root) / chain), lambda out: segment_config(root, chain, i))
 
 
-@functools.lru_cache(maxsize=1)
 def _chains(root: str) -> str:
     """Each chain's one-process segments before its multi-process ones, one launch for those, then the rest."""
     first = {c: min(i for i, (layout, _) in enumerate(s) if is_multi(layout)) for c, s in CHAINS.items()}
