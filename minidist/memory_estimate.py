@@ -33,7 +33,7 @@ from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.memory_model import activation_bytes_per_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.pipeline import chunk_layers
-from minidist.parallel.schedules import F, build_schedule
+from minidist.parallel.schedules import F, build_schedule, rank_chunks
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
 
@@ -101,15 +101,11 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
 
 
-def stage_layers(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
-    """The layer indices pipeline rank `stage` holds (all its chunks)."""
-    return _stage_layers(cfg.n_layers, pp, virtual_stages, stage)
-
-
 @functools.lru_cache(maxsize=65536)
 def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    """The layer indices pipeline rank `stage` holds (all its chunks)."""
     chunks = chunk_layers(n_layers, pp, virtual_stages)
-    return tuple(i for c in range(stage, pp * virtual_stages, pp) for i in chunks[c])
+    return tuple(i for c in rank_chunks(stage, pp, virtual_stages) for i in chunks[c])
 
 
 def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
