@@ -50,10 +50,9 @@ class Candidate:
     time: StepTime
 
     def row(self) -> dict:
-        lay = self.layout
-        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
-                "microbatches": lay.microbatches, "virtual_stages": lay.virtual_stages, "recompute": lay.recompute,
-                "mem_gib": round(self.memory.total / GIB, 2), "step_s": round(self.time.total, 4)}
+        values = {**dataclasses.asdict(self.layout), "mem_gib": round(self.memory.total / GIB, 2),
+                  "step_s": round(self.time.total, 4)}
+        return {key: values[key] for key in JSON_KEYS}
 
 
 @dataclass
