@@ -35,7 +35,14 @@ from minidist import checkpoint, hf_files
 from minidist.convert_hf import ConvertError, from_hf_state, hf_shapes, model_config_from_hf, to_hf_state
 from minidist.model import ModelConfig
 from minidist.model.config import config_to_dict
-from minidist.train_config import ConfigError, config_from_values, config_to_values, model_config, parse_config
+from minidist.train_config import (
+    ConfigError,
+    OneLineParser,
+    config_from_values,
+    config_to_values,
+    model_config,
+    parse_config,
+)
 
 __all__ = ["ConvertError", "from_hf", "from_hf_state", "main", "read_hf", "to_hf", "to_hf_state"]
 
@@ -184,18 +191,15 @@ def _toml_value(value: Any) -> str:
 # the command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other error of this command
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m minidist.convert", description=__doc__.split("\n\nThe conversion itself")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="Supported: Llama-family models (SwiGLU, RMSNorm, RoPE, no biases, MHA/GQA/MQA, tied or "
-                            "untied embeddings,\nrope_type default, linear or yarn). Refused in one line: other "
-                            "architectures, biases, other activations,\nattention dropout, other RoPE types.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="python -m minidist.convert",
+                           description=__doc__.split("\n\nThe conversion itself")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Supported: Llama-family models (SwiGLU, RMSNorm, RoPE, no biases, MHA/GQA/MQA, tied "
+                                  "or untied embeddings,\nrope_type default, linear or yarn). Refused in one line: "
+                                  "other architectures, biases, other activations,\nattention dropout, other RoPE "
+                                  "types.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     to = sub.add_parser("to-hf", help="the latest checkpoint of a run (any layout) -> a Hugging Face directory",
                         description="Write the latest checkpoint of RUN_OUT (any parallel layout) as config.json + "
                                     "model.safetensors (fp32) for transformers' LlamaForCausalLM.")

@@ -145,7 +145,9 @@ FLAGS: list[tuple[str, str]] = [
 ]
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit code 2 (the minidist commands' parser)."""
+
     def error(self, message: str) -> typing.NoReturn:
         # One line, like every other configuration error (argparse would print the whole usage first).
         self.exit(2, f"error: {message} (see --help)\n")
@@ -154,8 +156,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     hints = typing.get_type_hints(TrainConfig)
-    parser = _Parser(prog="python -m minidist.train", description=DESCRIPTION,
-                     argument_default=argparse.SUPPRESS)  # absent flags stay absent: they must not override TOML
+    parser = OneLineParser(prog="python -m minidist.train", description=DESCRIPTION,
+                           argument_default=argparse.SUPPRESS)  # absent flags stay absent: they must not override TOML
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings (flags override it)")
     for flag, text in FLAGS:
         key = flag[2:].replace("-", "_")
