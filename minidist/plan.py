@@ -36,6 +36,7 @@ from minidist.hardware import CHIP_LINKS, GIB
 from minidist.memory_estimate import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
 from minidist.model.config import MOE_PRESETS, PRESETS, ModelConfig, get_preset
 from minidist.plan_cost import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
+from minidist.train_config import OneLineParser
 
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
@@ -221,14 +222,9 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     presets = sorted({**PRESETS, **MOE_PRESETS})
-    parser = _Parser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
+    parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
                      epilog="Memory: minidist/memory_estimate.py; time: minidist/plan_cost.py (what each leaves "
                             "out is in its docstring). K, M, G are powers of two: 4M = 4,194,304 = 512 x 8192.")
     parser.add_argument("--model", default="llama3-8b", metavar="PRESET", help=f"model preset: {', '.join(presets)}")
