@@ -140,6 +140,11 @@ class Handle:
             self._done = True
         return self._output
 
+    @property
+    def output(self) -> torch.Tensor | None:
+        """The output buffer: its contents are final only once `wait()` has returned."""
+        return self._output
+
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 

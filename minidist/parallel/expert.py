@@ -10,11 +10,13 @@ expert (chapter 06's `plan_dispatch`; contiguous experts make "sorted by expert"
 
 1. count:     counts[e] = slots for expert e, so rank r sends send[j] = Σ_{e on j} counts[e] rows to rank j;
 2. exchange the counts (an all-to-all of N integers): recv[j, e] = rows rank j sends for r's local expert e;
-3. dispatch:  an all-to-all with uneven splits (send out, recv.sum(1) in): rows arrive grouped by source rank,
-              then by local expert;
-4. regroup the arrivals by local expert (a stable sort), run the local experts, and put the outputs back in
-   arrival order (the inverse permutation);
-5. combine:   the reverse all-to-all returns every row to the rank it came from, in the order it left;
+3. dispatch:  an all-to-all with uneven splits (send out, recv.sum(1) in) of the rows for the other ranks; rows
+              arrive grouped by source rank, then by local expert. It is only started: the rows rank r routed to
+              its own experts never travel, and run through them while the others are on the wire;
+4. wait; regroup the arrivals by local expert (a stable sort), run the local experts, and put the outputs back
+   in arrival order (the inverse permutation);
+5. combine:   the reverse all-to-all returns every row to the rank it came from, in the order it left, and the
+              own rows' outputs go back in their place;
 6. the layer multiplies by the gates and sums into the tokens (index_add), as on one device.
 
 Backward is the same path reversed: the gradient of an all-to-all is the all-to-all with the splits swapped.
@@ -41,14 +43,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.comm import Comm
+from minidist.comm import Comm, Handle
 from minidist.model.config import ModelConfig
 from minidist.model.moe import Experts, moe_layers
 from minidist.parallel.layout import Split, placement_of, set_split
 
 __all__ = [
     "ExpertParallelExperts", "apply_expert_parallel", "arrival_order", "expected_ep_bytes", "expert_owner",
-    "is_expert_param", "local_experts", "validate_expert_parallel",
+    "is_expert_param", "local_experts", "start_all_to_all", "validate_expert_parallel",
 ]
 
 
@@ -88,22 +90,37 @@ def expert_owner(expert: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows in_splits[j] to rank j forward; backward sends each row's gradient back where the row came from."""
+    """Rows in_splits[j] to rank j forward; backward sends each row's gradient back where the row came from.
+
+    With `pending` (a list), the forward only starts the exchange: it returns the output buffer at once and appends
+    the handle to `pending`; the caller must `wait()` before reading the rows (and may compute meanwhile)."""
 
     @staticmethod
-    def forward(ctx, x, comm, in_splits, out_splits):
+    def forward(ctx, x, comm, in_splits, out_splits, pending):
         ctx.comm, ctx.in_splits, ctx.out_splits = comm, in_splits, out_splits
-        return comm.all_to_all(x.contiguous(), in_splits=in_splits, out_splits=out_splits)
+        if pending is None:
+            return comm.all_to_all(x.contiguous(), in_splits=in_splits, out_splits=out_splits)
+        handle = comm.all_to_all(x.contiguous(), in_splits=in_splits, out_splits=out_splits, async_op=True)
+        pending.append(handle)
+        return handle.output
 
     @staticmethod
     def backward(ctx, grad):
         back = ctx.comm.all_to_all(grad.contiguous(), in_splits=ctx.out_splits, out_splits=ctx.in_splits)
-        return back, None, None, None
+        return back, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, comm: Comm, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
     """Differentiable uneven all-to-all of the rows of x over `comm` (the ledger records both directions)."""
-    return _AllToAll.apply(x, comm, in_splits, out_splits)
+    return _AllToAll.apply(x, comm, in_splits, out_splits, None)
+
+
+def start_all_to_all(x: torch.Tensor, comm: Comm, in_splits: list[int],
+                     out_splits: list[int]) -> tuple[torch.Tensor, Handle]:
+    """`all_to_all` that returns at once: (output buffer, handle). Read the output only after `handle.wait()`."""
+    pending: list[Handle] = []
+    out = _AllToAll.apply(x, comm, in_splits, out_splits, pending)
+    return out, pending[0]
 
 
 def arrival_order(received: torch.Tensor) -> torch.Tensor:
@@ -140,19 +157,28 @@ class ExpertParallelExperts(Experts):
         self.last_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, n_local = self.comm.size, self.n_experts // self.comm.size
+        ep, me, n_local = self.comm.size, self.comm.rank, self.n_experts // self.comm.size
         by_rank = counts.view(ep, n_local)
         received = self.comm.all_to_all(by_rank.contiguous())  # [ep, n_local]: row j from rank j
         self.last_counts = counts.detach().clone()
         send, recv = by_rank.sum(1).tolist(), received.sum(1).tolist()  # the splits: a host sync, as in Megatron
-        arrived = all_to_all(x, self.comm, send, recv)
-        order = arrival_order(received)
-        y = super().forward(arrived[order], received.sum(0))
+        # This rank's own rows for its own experts never travel: they are the contiguous slice [start, stop) of x.
+        # Start the exchange of the others, compute the own rows while they travel, then the arrivals.
+        start, stop = sum(send[:me]), sum(send[:me + 1])
+        send[me] = recv[me] = 0
+        arrived, in_flight = start_all_to_all(torch.cat([x[:start], x[stop:]]), self.comm, send, recv)
+        own = super().forward(x[start:stop], by_rank[me])
+        in_flight.wait()
+        from_others = received.clone()
+        from_others[me] = 0
+        order = arrival_order(from_others)
+        y = super().forward(arrived[order], from_others.sum(0))
         if y.shape[0] == 0:  # no rows here: stay in the graph, so this rank joins the backward all-to-alls too
             y = arrived * 0
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all(y[inverse], self.comm, recv, send)
+        back = all_to_all(y[inverse], self.comm, recv, send)
+        return torch.cat([back[:start], own, back[start:]])
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
