@@ -169,7 +169,16 @@ def _starved() -> dict:
             layer.router_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # choose experts 0 and 1 (on rank 0)
         layers.append(apply_expert_parallel(layer, topo.comm("ep")) if parallel else layer)
     x = torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    out = {}
+    comm, calls = layers[1].experts.comm, []
+    plain_all_to_all = comm.all_to_all
+
+    def recording_all_to_all(tensor, *args, **kwargs):  # what each all-to-all of forward and backward sends
+        calls.append({"rows": tensor.shape[0], "in_splits": kwargs.get("in_splits"),
+                      "async_op": kwargs.get("async_op", False)})
+        return plain_all_to_all(tensor, *args, **kwargs)
+
+    comm.all_to_all = recording_all_to_all
+    out = {"calls": calls}
     for name, layer, inputs in (("one", layers[0], x.flatten(0, 1)), ("ep", layers[1], x[rank])):
         inputs = inputs.clone().requires_grad_()
         y = layer(inputs)

@@ -102,6 +102,19 @@ def test_a_rank_that_receives_no_rows_still_joins_forward_and_backward() -> None
         torch.testing.assert_close(grad, one["experts"][name][:2], rtol=1e-10, atol=1e-12)
 
 
+def test_own_rows_stay_home_and_the_dispatch_overlaps_them() -> None:
+    """Rank 0 routes every slot to its own experts: its dispatch sends no row (not even to itself, through the
+    collective), and the dispatch is started asynchronously (the own rows run while it travels). Rank 1 sends all
+    its rows. Calls per rank: counts, dispatch, combine forward; combine and dispatch backward."""
+    calls = [r["starved"]["calls"] for r in ep_cases.results(2)]
+    assert [len(c) for c in calls] == [5, 5], calls
+    for rank, rank_calls in enumerate(calls):
+        counts, dispatch, combine = rank_calls[:3]
+        assert dispatch["async_op"] and not combine["async_op"], rank_calls
+        assert dispatch["in_splits"][rank] == 0 and combine["in_splits"][rank] == 0, rank_calls
+    assert calls[0][1]["rows"] == 0 and calls[1][1]["rows"] == 16, calls  # 2 sequences x 2 experts x capacity 4
+
+
 def _cfg(**changes) -> TrainConfig:
     settings = dict(model="tiny", model_overrides=dict(ep_cases.BASE, moe=dict(n_experts=4)), batch_size=8,
                     seq_len=32)
