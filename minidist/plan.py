@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from minidist.flops import count_params
 from minidist.hardware import CHIP_LINKS, GIB
 from minidist.memory_estimate import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
-from minidist.model.config import MOE_PRESETS, PRESETS, ModelConfig, get_preset
+from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.plan_cost import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
 from minidist.train_config import OneLineParser
 
@@ -223,7 +223,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    presets = sorted({**PRESETS, **MOE_PRESETS})
+    presets = sorted(ALL_PRESETS)
     parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
                      epilog="Memory: minidist/memory_estimate.py; time: minidist/plan_cost.py (what each leaves "
                             "out is in its docstring). K, M, G are powers of two: 4M = 4,194,304 = 512 x 8192.")

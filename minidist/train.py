@@ -207,7 +207,8 @@ def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.
 
 
 def train_loop(run: Run) -> dict[str, Any]:
-    cfg, info, last = run.cfg, run.info, run.cfg.steps - 1
+    cfg, info, last = run.cfg, run.info, run.cfg.steps - 1  # evaluations keep --steps' cadence under --stop-after
+    stopping = run_state.end_step(cfg) - 1  # so a stopped and resumed run logs what a straight one does
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
     if run.is_main:
         (run.out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -238,7 +239,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         if writer:
             writer.write(record)
         clock.tick()
-        if _is_due(step, cfg.log_every, last) or step == run.start_step:
+        if _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping):
             run.log(metrics.progress_line(record, cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
             replicas.check_run(run, f"check after step {step}")

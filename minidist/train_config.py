@@ -17,6 +17,7 @@ from typing import Any
 
 from minidist.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
+from minidist.model.config import ALL_PRESETS
 from minidist.optim import WarmupCosine
 
 DESCRIPTION = ("The trainer: `python -m minidist.train` on one process, "
@@ -94,7 +95,7 @@ class TrainConfig:
 
 # (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
 FLAGS: list[tuple[str, str]] = [
-    ("--model", "model preset (tiny, small, gpt2-124m, llama2-7b, ...); override fields with --set model.KEY=V"),
+    ("--model", f"model preset: {', '.join(sorted(ALL_PRESETS))}; override fields with --set model.KEY=V"),
     ("--data", "text source: 'stdlib', a text file, a directory, a glob, a .bin (uint8) or .npy file"),
     ("--max-bytes", "read at most this many bytes of the corpus (quick runs)"),
     ("--val-fraction", "fraction of the corpus held out for validation (split by file)"),

@@ -240,3 +240,14 @@ def test_missing_elements_and_bad_stop_after_are_one_line(chains, tmp_path) -> N
         train.train(config(str(tmp_path / "x"), stop_after=7))
     with pytest.raises(ConfigError, match="already at or past --stop-after 2"):
         train.train(config(str(Path(chains) / "A"), stop_after=2, resume=True, dp=1))
+
+
+def test_the_stopping_step_prints_its_progress_line(tmp_path, capsys) -> None:
+    """--stop-after 2 of 6 steps (evaluations every 3, progress lines every 100): the stopping step prints its
+    progress line, but is not evaluated (evaluations keep the cadence of --steps, so that a stopped and resumed run
+    logs exactly what a straight run does: see test_resume_in_another_layout_logs_the_one_process_run)."""
+    summary = train.train(config(str(tmp_path / "stop"), stop_after=2, check_every=100))
+    assert summary["steps"] == [0, 1]
+    assert summary["val_losses"] == {}, summary["val_losses"]
+    printed = capsys.readouterr().out
+    assert any(line.startswith("step 2/6 |") for line in printed.splitlines()), printed[-2000:]

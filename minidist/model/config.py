@@ -250,9 +250,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **MOE_PRESETS}  # what `get_preset` and the commands accept
+
+
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
     """The named preset, optionally with fields overridden; one-line error for an unknown name."""
-    presets = {**PRESETS, **MOE_PRESETS}
-    if name not in presets:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")
-    return config_from_dict({**presets[name], **overrides}).validate()
+    if name not in ALL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(ALL_PRESETS)}")
+    return config_from_dict({**ALL_PRESETS[name], **overrides}).validate()
