@@ -207,8 +207,10 @@ def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.
 
 
 def train_loop(run: Run) -> dict[str, Any]:
-    cfg, info, last = run.cfg, run.info, run.cfg.steps - 1  # evaluations keep --steps' cadence under --stop-after
-    stopping = run_state.end_step(cfg) - 1  # so a stopped and resumed run logs what a straight one does
+    # `last` keeps the cadence of --steps for evaluations and checks (a stopped and resumed run logs what a straight
+    # run does); `stopping`, the last step of this run (--stop-after's), always prints its progress line.
+    cfg, info, last = run.cfg, run.info, run.cfg.steps - 1
+    stopping = run_state.end_step(cfg) - 1
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
     if run.is_main:
         (run.out / "run.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -92,15 +92,15 @@ def expert_owner(expert: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
 class _AllToAll(torch.autograd.Function):
     """Rows in_splits[j] to rank j forward; backward sends each row's gradient back where the row came from.
 
-    With `pending` (a list), the forward only starts the exchange: it returns the output buffer at once and appends
-    the handle to `pending`; the caller must `wait()` before reading the rows (and may compute meanwhile)."""
+    With `pending` (a list: an autograd function returns tensors only), the forward only starts the exchange: it
+    returns the output buffer at once and appends the handle; the caller waits on it before reading the rows."""
 
     @staticmethod
     def forward(ctx, x, comm, in_splits, out_splits, pending):
         ctx.comm, ctx.in_splits, ctx.out_splits = comm, in_splits, out_splits
         if pending is None:
-            return comm.all_to_all(x.contiguous(), in_splits=in_splits, out_splits=out_splits)
-        handle = comm.all_to_all(x.contiguous(), in_splits=in_splits, out_splits=out_splits, async_op=True)
+            return comm.all_to_all(x, in_splits=in_splits, out_splits=out_splits)
+        handle = comm.all_to_all(x, in_splits=in_splits, out_splits=out_splits, async_op=True)
         pending.append(handle)
         return handle.output
 
@@ -169,10 +169,9 @@ class ExpertParallelExperts(Experts):
         arrived, in_flight = start_all_to_all(torch.cat([x[:start], x[stop:]]), self.comm, send, recv)
         own = super().forward(x[start:stop], by_rank[me])
         in_flight.wait()
-        from_others = received.clone()
-        from_others[me] = 0
-        order = arrival_order(from_others)
-        y = super().forward(arrived[order], from_others.sum(0))
+        received[me] = 0  # the own rows did not arrive: they are `own`
+        order = arrival_order(received)
+        y = super().forward(arrived[order], received.sum(0))
         if y.shape[0] == 0:  # no rows here: stay in the graph, so this rank joins the backward all-to-alls too
             y = arrived * 0
         inverse = torch.empty_like(order)
