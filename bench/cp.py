@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Comm
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.parallel import ParallelModel, ParallelOptions, parallelize
-from minidist.parallel.context import apply_context_parallel
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.cp import apply_context_parallel
 
 
 def saved_bytes(model: torch.nn.Module, context, tokens: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ replicated on every rank (plain data parallelism of the MoE).
     .venv/bin/python bench/ep.py [--size base|small] [--world 2] [--batch 16] [--seq 128] [--steps 30] [--warmup 60]
 
 Same model (same initial weights), same global batch of every step, gloo on CPU, both through
-`minidist.parallel.parallelize`:
+`minidist.parallel.assembly`:
 
     replicated   dp=world: every rank holds all N experts; expert gradients are all-reduced with the rest
     ep           dp=world, ep=world: every rank holds N/ep experts; tokens travel to them by all-to-all and back,
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.corpus import BatchSampler, load_corpus
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
+from minidist.data.corpus import BatchSampler, load_corpus
 from minidist.model import build_model, get_preset
 from minidist.model.moe import moe_layers
-from minidist.optim import build_optimizer
 from minidist.parallel import ParallelOptions, parallelize, storage_bytes
-from minidist.topology import ParallelDims, Topology
+from minidist.train.optim import build_optimizer
 
 VARIANTS = ("replicated", "ep")
 # "small": experts so narrow that each MoE layer's few blocking collectives (~1 ms each on a shared 2-core VM)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minidist.convert_hf import ConvertError, to_hf_state
+from minidist.convert.hf_model import ConvertError, to_hf_state
 from minidist.flops import flops_per_token, measure_peak_flops
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.config import ModelConfig
@@ -29,7 +29,7 @@ from minidist.model.config import ModelConfig
 
 def reference_model(cfg: ModelConfig, ours: torch.nn.Module):
     """A transformers LlamaForCausalLM with the shapes of cfg and our model's weights, through the package's own
-    converter (minidist.convert_hf: the config, the names and, for an interleaved RoPE layout, the q/k rows)."""
+    converter (minidist.convert.hf_model: the config, the names and, for an interleaved RoPE layout, the q/k rows)."""
     try:
         import transformers
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import Transformer, build_model, get_preset, lm_loss
-from minidist.parallel.pipeline import PipelineRunner, partition_model
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.pp.pipeline import PipelineRunner, partition_model
 
 TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, get_preset
-from minidist.parallel.tensor import apply_tensor_parallel
-from minidist.parallel.vocab import vocab_parallel_lm_loss
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.tp.tensor import apply_tensor_parallel
+from minidist.parallel.tp.vocab import vocab_parallel_lm_loss
 
 
 def dtensor_model(model: torch.nn.Module, world: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Chapter 02 exercises: initialization for layers of unequal width, and the gain of any activation.
 
-Grade your answers with `make grade CH=02`. The grader compares your numbers with `minidist.init` and with a
+Grade your answers with `make grade CH=02`. The grader compares your numbers with `minidist.model.init` and with a
 quadrature method the exercise does not ask for, and then does what initialization is for: it builds deep stacks
 with your standard deviations and measures whether the signal keeps its size, forward and backward.
 

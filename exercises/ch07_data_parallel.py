@@ -5,9 +5,9 @@ Grade your answers with `make grade CH=07`.
 - `bucketed_all_reduce` runs on 2 and 3 real ranks (tiny model, two bucket sizes, 1 and 2 micro-batches, two steps
   in a row). The grader checks every averaged gradient against one process's gradient of the whole global batch,
   that each step launches exactly one async all-reduce per bucket, in bucket order, of the sizes
-  `minidist.parallel.data_parallel.assign_buckets` gives, and that the first of them starts before backward ends
+  `minidist.parallel.dp.data_parallel.assign_buckets` gives, and that the first of them starts before backward ends
   (overlap).
-- `zero_owned_pieces` is checked against the flat layout of `minidist.parallel.data_parallel.Bucket` (its padding
+- `zero_owned_pieces` is checked against the flat layout of `minidist.parallel.dp.data_parallel.Bucket` (its padding
   and `shard_range`): the pieces must pick exactly the elements a rank owns, and together cover every parameter once.
 """
 

@@ -2,7 +2,7 @@
 schedule that gets the interleaved bubble with AFAB's memory.
 
 Grade your answers with `make grade CH=09`. The grader plays your lists with the chapter's simulator
-(`minidist.parallel.schedules.simulate`, which raises on a deadlock or on a compute action whose input never
+(`minidist.parallel.pp.schedules.simulate`, which raises on a deadlock or on a compute action whose input never
 arrived) and `check_complete`, and checks the chapter's numbers: the bubble fraction (p−1)/(m+p−1) for 1F1B and
 (p−1)/(v·m+p−1) for the breadth-first schedule, the step time, the micro-batches in flight per rank (1F1B: at most
 min(p−r, m) on rank r, so never more than p), that every message is sent once, after the action that produces it,
@@ -10,7 +10,7 @@ and received once. Build the lists yourself: the grader refuses answers that cal
 builders (`build_schedule`, `afab_order`, `one_f_one_b_order`, `interleaved_order`, `with_communication`,
 `forward_only`).
 
-The format (module docstring of minidist/parallel/schedules.py): a schedule is one list of `Action(kind, mb, chunk)`
+The format (module docstring of minidist/parallel/pp/schedules.py): a schedule is one list of `Action(kind, mb, chunk)`
 per rank, run in order. The model is cut into p·v chunks; chunk c lives on rank c mod p (v = 1: chunk r is rank
 r's stage). Kinds:
 
@@ -21,11 +21,11 @@ r's stage). Kinds:
     SEND_B       send the gradient of chunk c's input to chunk c−1       after B(mb, c), when c > 0
 
 Sends never block; a receive waits until its message has arrived. B(mb, c) also needs F(mb, c) on the same rank.
-Import what you need from `minidist.parallel.schedules`: `Action`, and the kind names `F`, `B`, `SEND_F`, `RECV_F`,
+Import what you need from `minidist.parallel.pp.schedules`: `Action`, and the kind names `F`, `B`, `SEND_F`, `RECV_F`,
 `SEND_B`, `RECV_B`. Try `simulate(your_schedule(...), 1.0, 2.0)` and `draw_timeline` while you work.
 """
 
-from minidist.parallel.schedules import Action
+from minidist.parallel.pp.schedules import Action
 
 
 def one_f_one_b_schedule(pp: int, microbatches: int) -> list[list[Action]]:

@@ -2,10 +2,10 @@
 permutation that puts a rank's slots in destination order, its inverse, and the regrouping of what arrives.
 
 Grade your answers with `make grade CH=11`. The grader runs the chapter's example (2 ep ranks, 4 experts, top-2,
-6 tokens per rank) and random cases, compares with `minidist.parallel.expert` where it has an answer, and checks
+6 tokens per rank) and random cases, compares with `minidist.parallel.ep.expert` where it has an answer, and checks
 the properties that define each answer (a permutation, sorted, stable, an inverse).
 
-Conventions, as in `minidist.parallel.expert`: N experts over ep ranks in contiguous blocks, so rank r owns experts
+Conventions, as in `minidist.parallel.ep.expert`: N experts over ep ranks in contiguous blocks, so rank r owns experts
 [r·N/ep, (r+1)·N/ep); a *slot* is one (token, choice) pair, i.e. one row that travels; `experts` [S] (int64) holds
 the expert id of each of a rank's S slots.
 """

@@ -1,8 +1,8 @@
 """Chapter 12 exercises: the rank grid of five dimensions — where a rank sits and who shares each group with it —
 and the memory a rank holds: model states under ZeRO with experts, and the activations a 1F1B pipeline keeps.
 
-Grade your answers with `make grade CH=12`. The grader compares with `minidist.topology` (coordinates, groups),
-`minidist.memory_estimate` (model states) and `minidist.parallel.schedules` (the 1F1B schedule itself), on the
+Grade your answers with `make grade CH=12`. The grader compares with `minidist.comm.topology` (coordinates, groups),
+`minidist.plan.rank_memory` (model states) and `minidist.parallel.pp.schedules` (the 1F1B schedule itself), on the
 chapter's 16-rank grid (pp 2, dp 2, cp 2, tp 2, ep 2) and random grids.
 
 The grid (chapter 12 §1): ranks sit on (pp, dp, cp, tp), row-major, tp fastest:

@@ -34,7 +34,7 @@ def verified_bytes(path: str | Path, nbytes: int, sha256: str) -> bytes:
 
     Raise a one-line ValueError naming the file when it is missing, when its size differs (a truncated write), or
     when its digest differs (one flipped bit in a file of the right size: the size check alone misses it). This is
-    what minidist.checkpoint does with each rank file before torch.load(weights_only=True) ever sees it (chapter
+    what minidist.train.checkpoint does with each rank file before torch.load(weights_only=True) ever sees it (chapter
     13, §5): a damaged checkpoint is refused in one line instead of loading wrong weights or crashing deep inside
     the unpickler.
 

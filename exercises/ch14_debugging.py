@@ -4,7 +4,7 @@ Grade your answers with `make grade CH=14`. The grader checks:
   - first_flagged on gradients of the chapter's tiny model: None within the tolerance; the first flagged parameter
     in the reference's (model) order, not the order of `got`; the error relative to the reference's norm; a
     missing parameter flagged with an infinite error; every museum bug's diff pointing where its exhibit says;
-  - ledger_diff on real `minidist.comm.Ledger` totals: [] when bytes match the formulas; each mismatch as
+  - ledger_diff on real `minidist.comm.communicator.Ledger` totals: [] when bytes match the formulas; each mismatch as
     (op, group, measured, expected) in sorted order, an operation the formulas do not expect (expected 0) and one
     that never happened (measured 0) included.
 """
@@ -34,7 +34,8 @@ def ledger_diff(totals: dict[tuple[str, str], dict[str, int]],
                 expected: dict[tuple[str, str], int]) -> list[tuple[str, str, int, int]]:
     """Every (op, group) whose measured bytes differ from the formula's, as (op, group, measured, expected).
 
-    `totals` is `minidist.comm.Ledger.totals()`: {(op, group): {"calls": c, "bytes": b}} for every operation that
+    `totals` is `minidist.comm.communicator.Ledger.totals()`: {(op, group): {"calls": c, "bytes": b}} for every
+    operation that
     ran; `expected` is {(op, group): bytes} from the chapter's formulas. Compare over the union of both key sets
     (an operation the formulas do not list expected 0 bytes; one that never ran measured 0) and return the
     mismatching rows sorted by (op, group); [] when the ledger agrees with every formula. A data-parallel run

@@ -2,7 +2,7 @@
 
 The course runs on CPUs, where the "network" is shared memory; these figures say what the same bytes cost on the
 hardware large models train on. A `Link` is one GPU's share of an interconnect: its bandwidth in bytes per second,
-**one direction** (a ring all-reduce sends and receives at once, and the α-β model of `minidist.cost_model` charges
+**one direction** (a ring all-reduce sends and receives at once, and the α-β model of `minidist.comm.cost_model` charges
 the bytes one rank sends), and α, the latency of one message step. Vendors quote NVLink bidirectionally (the sum of
 both directions) and network ports in gigabits per second: both are converted below.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.cost_model import alpha_beta_time
+from minidist.comm.cost_model import alpha_beta_time
 from minidist.flops import PEAK_FLOPS_BF16, peak_flops
 
 __all__ = ["CHIP_LINKS", "CHIP_MEMORY", "LINKS", "MACHINES", "PEAK_FLOPS_BF16", "Link", "Machine", "collective_time",
@@ -82,7 +82,7 @@ MACHINES: dict[str, Machine] = {
     "dgx-a100": Machine("A100", 8, "nvlink3", "ib-hdr200"),
 }
 
-# A chip's usual node for the planner (`minidist.plan`): its NVLink inside, one network port per GPU across.
+# A chip's usual node for the planner (`minidist.plan.search`): its NVLink inside, one network port per GPU across.
 # PCIe and NVL cards are paired or bridged, not switched: their ranks beyond a pair talk over PCIe.
 CHIP_LINKS: dict[str, tuple[str, str]] = {
     "A100": ("nvlink3", "ib-hdr200"), "H100-SXM": ("nvlink4", "ib-ndr400"), "H100-PCIe": ("pcie5", "ib-ndr400"),

@@ -1,12 +1,12 @@
 """Chapter 09 exercises, answered: 1F1B with its messages, and the breadth-first (looped) pipeline schedule, as
-lists of `minidist.parallel.schedules.Action`s.
+lists of `minidist.parallel.pp.schedules.Action`s.
 
 1F1B: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 §2.2.1 (PipeDream-Flush). Breadth-first: Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism" (MLSys): with v
 chunks per rank, run every micro-batch through one chunk before moving to the next, forward and backward.
 """
 
-from minidist.parallel.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action
+from minidist.parallel.pp.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action
 
 
 def _forward(mb: int, chunk: int, last: int) -> list[Action]:

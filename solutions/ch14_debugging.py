@@ -4,7 +4,7 @@ Grade your answers with `make grade CH=14`. The grader checks:
   - first_flagged on gradients of the chapter's tiny model: None within the tolerance; the first flagged parameter
     in the reference's (model) order, not the order of `got`; the error relative to the reference's norm; a
     missing parameter flagged with an infinite error; every museum bug's diff pointing where its exhibit says;
-  - ledger_diff on real `minidist.comm.Ledger` totals: [] when bytes match the formulas; each mismatch as
+  - ledger_diff on real `minidist.comm.communicator.Ledger` totals: [] when bytes match the formulas; each mismatch as
     (op, group, measured, expected) in sorted order, an operation the formulas do not expect (expected 0) and one
     that never happened (measured 0) included.
 """

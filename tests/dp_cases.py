@@ -20,12 +20,12 @@ import parity
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Ledger
-from minidist.health import replica_hash
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 from minidist.parallel import DataParallel, Timeline, ZeroOptimizer, average_gradients, split_batch
-from minidist.topology import ParallelDims, Topology
+from minidist.trust.health import replica_hash
 
 SMALL_BUCKET = 64 * 1024  # bytes: several buckets for the tiny test model, so ordering and overlap are exercised
 # The parity model with mixture-of-experts MLPs (dropless top-2 of 4: every token's output is independent of the batch).
@@ -209,8 +209,8 @@ def _bf16_case(topo: Topology) -> dict:
 
 
 def trainer_config(out: str, **changes):
-    """A few steps of `minidist.train` on a small model (the same settings for every layout)."""
-    from minidist.train import TrainConfig
+    """A few steps of `minidist.train.loop` on a small model (the same settings for every layout)."""
+    from minidist.train.loop import TrainConfig
 
     settings = dict(model="tiny", model_overrides=dict(d_model=64, n_layers=2, d_ff=128), max_bytes=300_000,
                     batch_size=8, seq_len=32, microbatches=2, steps=4, warmup_steps=1, eval_every=0, eval_batches=1,
@@ -219,8 +219,9 @@ def trainer_config(out: str, **changes):
 
 
 def _trainer_cases(topo: Topology, out_root: str) -> dict:
-    """`minidist.train.train` at dp=N for every ZeRO stage; then resume from the step-2 checkpoint and redo 3-4."""
-    from minidist import checkpoint, train
+    """`minidist.train.loop.train` at dp=N for every ZeRO stage; then resume from the step-2 checkpoint and redo 3-4."""
+    from minidist.train import checkpoint
+    from minidist.train import loop as train
 
     out = {}
     for stage in range(4):

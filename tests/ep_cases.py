@@ -17,15 +17,15 @@ import parity
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Ledger
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 from minidist.model import moe as M
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.expert import ExpertParallelExperts, apply_expert_parallel, expected_ep_bytes
-from minidist.parallel.layout import full_tensor, placement_of
-from minidist.parallel.tensor import expected_tp_traffic
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.ep.expert import ExpertParallelExperts, apply_expert_parallel, expected_ep_bytes
+from minidist.parallel.placement import full_tensor, placement_of
+from minidist.parallel.tp.tensor import expected_tp_traffic
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 2 layers over pp 2; 4 experts over ep 2 or 4.
 BASE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)

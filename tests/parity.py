@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from minidist.corpus import BatchSampler, load_corpus
+from minidist.data.corpus import BatchSampler, load_corpus
 from minidist.debug import grad_diff, tolerance
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minidist import train
 from minidist.memory import LiveTensorBytes
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.chunked_loss import apply_chunked_loss, chunked_lm_loss
-from minidist.train_config import ConfigError, parse_config
+from minidist.train import loop as train
+from minidist.train.config import ConfigError, parse_config
 from tests.test_train import small_config
 
 IGNORE = -100

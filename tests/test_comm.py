@@ -1,4 +1,5 @@
-"""minidist.comm, p2p_collectives and cost_model: ring collectives agree with torch's, the ledger's bytes equal
+"""minidist.comm.communicator, p2p_collectives and cost_model: ring collectives agree with torch's, the ledger's bytes
+equal
 the formulas exactly, the cost model.
 
 One launch per world size (2, 3, 4) runs every multi-rank case and returns (category, label, got, expected) rows;
@@ -14,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm, Ledger, chunk_sizes, ring_bytes_sent
-from minidist.cost_model import alpha_beta_time, cost_terms, fit_alpha_beta
-from minidist.launch import run_ranks
-from minidist.p2p_collectives import (
+from minidist.comm.communicator import Comm, Ledger, chunk_sizes, ring_bytes_sent
+from minidist.comm.cost_model import alpha_beta_time, cost_terms, fit_alpha_beta
+from minidist.comm.launch import run_ranks
+from minidist.comm.p2p_collectives import (
     naive_all_reduce,
     pairwise_all_to_all,
     ring_all_gather,

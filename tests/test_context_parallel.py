@@ -27,12 +27,13 @@ from parity import (
     reference_run,
 )
 
-from minidist.comm import Comm, Ledger
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Comm, Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model import moe as moe_routing
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.context import (
+from minidist.parallel.cp import (
     Work,
     allgather_attention,
     attend_block,
@@ -46,8 +47,7 @@ from minidist.parallel.context import (
     unmasked_scores,
     validate_context_parallel,
 )
-from minidist.parallel.layout import full_tensor, placement_of
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.placement import full_tensor, placement_of
 
 GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned")  # positions through pos_emb
 MLA_CFG = CFG.replace(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out (minidist.convert): the converted model computes HF's logits, the round
+"""Hugging Face Llama checkpoints in and out (minidist.convert.runs): the converted model computes HF's logits, the
+round
 trip minidist -> HF -> minidist is bit for bit, the file formats HF writes are read, hostile input is refused in one
 line. The reference is transformers' LlamaForCausalLM (the `bench` extra), built from the written directory with
 nothing downloaded."""
@@ -13,14 +14,15 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from minidist import hf_files, train  # noqa: E402
-from minidist.convert import main, read_hf  # noqa: E402
-from minidist.convert_hf import ConvertError, from_hf_state, to_hf_state  # noqa: E402
-from minidist.corpus import BatchSampler, load_corpus  # noqa: E402
-from minidist.launch import run_ranks  # noqa: E402
+from minidist.comm.launch import run_ranks  # noqa: E402
+from minidist.convert import hf_files  # noqa: E402
+from minidist.convert.hf_model import ConvertError, from_hf_state, to_hf_state  # noqa: E402
+from minidist.convert.runs import main, read_hf  # noqa: E402
+from minidist.data.corpus import BatchSampler, load_corpus  # noqa: E402
 from minidist.model import build_model, get_preset, lm_loss  # noqa: E402
-from minidist.reshard import read_full_model  # noqa: E402
-from minidist.train_config import TrainConfig, model_config, parse_config  # noqa: E402
+from minidist.train import loop as train
+from minidist.train.config import TrainConfig, model_config, parse_config  # noqa: E402
+from minidist.train.reshard import read_full_model  # noqa: E402
 
 # The converted model's logits equal HF's to this (fp32: the same products summed in another order; measured
 # max |diff| 5e-7 on logits of magnitude ~1).

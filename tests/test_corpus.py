@@ -1,4 +1,5 @@
-"""Tests for minidist.corpus: tokenizer, corpus sources and splits, the deterministic sampler, the entropy baseline."""
+"""Tests for minidist.data.corpus: tokenizer, corpus sources and splits, the deterministic sampler, the entropy
+baseline."""
 
 import math
 from pathlib import Path
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from minidist import corpus
-from minidist.corpus import FILE_SEPARATOR, BatchSampler, ByteTokenizer, load_corpus
+from minidist.data import corpus
+from minidist.data.corpus import FILE_SEPARATOR, BatchSampler, ByteTokenizer, load_corpus
 
 SMALL = 400_000  # bytes of stdlib for the split tests: fast, yet a dozen files
 

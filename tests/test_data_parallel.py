@@ -10,7 +10,7 @@ import parity
 import pytest
 import torch
 
-from minidist.comm import Comm
+from minidist.comm.communicator import Comm
 from minidist.model import build_model, lm_loss
 from minidist.parallel import DataParallel, assign_buckets, check_batch_split, split_batch
 

@@ -12,10 +12,10 @@ import parity
 import pytest
 import torch
 
-from minidist.distributed import resolve_parallel_dims
 from minidist.model import get_preset
-from minidist.parallel.expert import validate_expert_parallel
-from minidist.train import ConfigError, TrainConfig
+from minidist.parallel.ep.expert import validate_expert_parallel
+from minidist.train.distributed import resolve_parallel_dims
+from minidist.train.loop import ConfigError, TrainConfig
 
 STAT_RTOL = 1e-5
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 import trainer_parity
 
-from minidist.distributed import resolve_parallel_dims
-from minidist.launch import run_ranks
-from minidist.train import TrainConfig
+from minidist.comm.launch import run_ranks
+from minidist.train.distributed import resolve_parallel_dims
+from minidist.train.loop import TrainConfig
 
 DIMS = ("dp", "tp", "pp", "cp", "ep")
 ZERO_STAGES, SCHEDULES, KINDS = (1, 2, 3), ("afab", "1f1b", "interleaved"), ("dense", "moe")

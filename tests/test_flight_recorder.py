@@ -1,4 +1,4 @@
-"""The flight recorder (minidist.debug.recorder) and its diff (minidist.debug.diff): ring bounds, record fields and
+"""The flight recorder (minidist.comm.recorder) and its diff (minidist.debug.diff): ring bounds, record fields and
 indices, what a Comm records, the trainer's hook (exception, SIGUSR1, SIGTERM), and the diff of hand-made records
 for each kind of divergence."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm
+from minidist.comm.communicator import Comm
+from minidist.comm.launch import RankFailed, run_ranks
+from minidist.comm.recorder import FORMAT, FlightRecorder, flight_path, recording
 from minidist.debug.__main__ import main as debug_main
 from minidist.debug.diff import FlightError, diff, load, report
-from minidist.debug.recorder import FORMAT, FlightRecorder, flight_path, recording
-from minidist.launch import RankFailed, run_ranks
-from minidist.train_config import ConfigError
+from minidist.train.config import ConfigError
 
 HERE = "tests/test_flight_recorder.py"
 

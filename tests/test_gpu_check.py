@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from minidist.distributed import resolve_parallel_dims
-from minidist.train_config import parse_config
+from minidist.train.config import parse_config
+from minidist.train.distributed import resolve_parallel_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 
 from minidist.debug import clinic
 from minidist.debug.diff import diff, load
-from minidist.parallel.schedules import SEND_B, SEND_F, build_schedule
+from minidist.parallel.pp.schedules import SEND_B, SEND_F, build_schedule
 
 TIMEOUT_S = 3.0
 SLACK_S = 15.0  # starting two ranks, gloo's teardown, the launcher's wait for a rank that aborted

@@ -3,7 +3,7 @@
 import pytest
 
 from minidist import flops, hardware
-from minidist.cost_model import cost_terms
+from minidist.comm.cost_model import cost_terms
 
 
 def test_peaks_are_the_flops_tables_own() -> None:

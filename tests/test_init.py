@@ -1,4 +1,5 @@
-"""Tests for minidist.init: layout independence (value = f(seed, name)) and the statistics of the initial weights."""
+"""Tests for minidist.model.init: layout independence (value = f(seed, name)) and the statistics of the initial
+weights."""
 
 import importlib.util
 import math
@@ -6,7 +7,8 @@ import math
 import pytest
 import torch
 
-from minidist.init import (
+from minidist.model import Transformer, build_model, get_preset
+from minidist.model.init import (
     init_parameters,
     init_shard,
     init_std,
@@ -16,7 +18,6 @@ from minidist.init import (
     residual_scale,
     xavier_std,
 )
-from minidist.model import Transformer, build_model, get_preset
 
 GPT2_STYLE = dict(mlp="gelu", norm="layernorm", bias=True, position="learned", tie_embeddings=True)
 HAS_MOE_MLA = all(importlib.util.find_spec(m) is not None for m in ("minidist.model.moe", "minidist.model.mla"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.launch import LaunchTimeout, RankFailed, _describe_failures, _Failure, run_ranks
+from minidist.comm.launch import LaunchTimeout, RankFailed, _describe_failures, _Failure, run_ranks
 
 
 def report(scale: float) -> tuple[int, int, torch.Tensor]:
@@ -111,7 +111,7 @@ def test_the_first_rank_to_fail_is_named_as_the_cause() -> None:
     assert re.search(r"rank 0, \d+\.\d\d s later: ConnectionResetError: Connection reset by peer", consequences)
     assert re.search(r"rank 2, \d+\.\d\d s later: ConnectionResetError", consequences)
     # Short: the rank's own frames, not the launcher's.
-    assert "minidist/launch.py" not in message and len(message.splitlines()) < 15, message
+    assert "minidist/comm/launch.py" not in message and len(message.splitlines()) < 15, message
 
 
 def test_reports_are_ordered_by_when_they_failed_not_when_they_arrived() -> None:

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from parity import CFG, GLOBAL_BATCH, GRAD_RTOL, SEED, assert_grads_match, global_batch, make_optimizer
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, lm_loss
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.layout import gather_full
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.placement import gather_full
 
 LAYOUTS = [  # (label, dims, options) at world size 2
     ("dp2", ParallelDims(dp=2), ParallelOptions()),

@@ -1,5 +1,5 @@
-"""The memory model (minidist.memory_estimate) against bytes measured per rank by tensor accounting
-(minidist.memory_measure: storages of parameters, gradients and optimizer state; saved-tensor hooks for the
+"""The memory model (minidist.plan.rank_memory) against bytes measured per rank by tensor accounting
+(minidist.plan.memory_measure: storages of parameters, gradients and optimizer state; saved-tensor hooks for the
 activations at their peak). Tolerance: `TOLERANCE` (5%) per part and rank; the model states come out exact."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidist.comm.launch import run_ranks
 from minidist.flops import count_params
-from minidist.launch import run_ranks
 from minidist.memory import PeakSavedBytes
-from minidist.memory_estimate import (
+from minidist.model import build_model, get_preset, lm_loss
+from minidist.plan.memory_measure import measure_layouts
+from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     TOLERANCE,
@@ -21,8 +23,6 @@ from minidist.memory_estimate import (
     model_state_bytes,
     rank_params,
 )
-from minidist.memory_measure import measure_layouts
-from minidist.model import build_model, get_preset, lm_loss
 
 CFG = get_preset("tiny", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
 MOE = CFG.replace(moe={"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "d_expert": 64, "first_dense_layers": 1})

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minidist import flops, peak, train
+from minidist import flops, peak
 from minidist.model import get_preset
+from minidist.train import loop as train
 from tests.test_train import small_config
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from minidist.init import init_std
 from minidist.model import build_model, get_preset, lm_loss
+from minidist.model.init import init_std
 from minidist.model.kv_cache import (
     LatentKVCache,
     attention_kind,

@@ -7,7 +7,7 @@ import museum_cases
 import pytest
 
 from minidist.debug import museum
-from minidist.parallel.pipeline import PipelineRunner
+from minidist.parallel.pp.pipeline import PipelineRunner
 
 BUGS = list(museum.BUGS)
 

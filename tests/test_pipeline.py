@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm, Ledger
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Comm, Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, lm_loss
-from minidist.parallel.layout import clip_grad_norm_, placement_of
-from minidist.parallel.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
-from minidist.parallel.schedules import (
+from minidist.parallel.placement import clip_grad_norm_, placement_of
+from minidist.parallel.pp.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
+from minidist.parallel.pp.schedules import (
     SCHEDULES,
     Action,
     B,
@@ -33,7 +34,6 @@ from minidist.parallel.schedules import (
     simulate,
     with_communication,
 )
-from minidist.topology import ParallelDims, Topology
 
 CFG8 = parity.CFG.replace(n_layers=8)  # pp=4 with 2 virtual stages needs 8 layers
 IGNORE = -100  # lm_loss's ignore_index
@@ -236,9 +236,9 @@ CASES = {
 
 def _run_case(case: Case, topo: Topology) -> dict:
     from minidist.parallel import DataParallel, ZeroOptimizer, split_batch
-    from minidist.parallel.layout import gather_full
-    from minidist.parallel.tensor import apply_tensor_parallel
-    from minidist.parallel.vocab import vocab_parallel_cross_entropy
+    from minidist.parallel.placement import gather_full
+    from minidist.parallel.tp.tensor import apply_tensor_parallel
+    from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy
 
     ledger = Ledger()
     pp_comm, dp_comm, tp_comm = topo.comm("pp", ledger), topo.comm("dp_cp", Ledger()), topo.comm("tp", Ledger())

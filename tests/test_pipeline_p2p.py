@@ -1,7 +1,8 @@
 """The pipeline's point-to-point order under NCCL's rules, and Comm's device/dtype test mode (chapter 09).
 
 No GPU here, so NCCL's matching (no tags, FIFO per ordered pair, each stream in order, blocking waits) is modelled
-by `minidist.nccl_model.replay`. The tests check the model itself on tiny programs, replay the executor's real
+by `minidist.parallel.pp.nccl_model.replay`. The tests check the model itself on tiny programs, replay the executor's
+real
 posting order for every schedule, and show that the same model rejects the executor's order before it posted in
 steps (commit 91646a4: tagged single isend/irecv, receives posted one RECV action ahead).
 """
@@ -13,13 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm, Ledger
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Comm, Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model
-from minidist.nccl_model import RECV, SEND, Op, Post, Wait, replay
-from minidist.parallel.pipeline import PipelineRunner, partition_model
-from minidist.parallel.pipeline_p2p import Message, message_of, p2p_program, peer_of, posting_order
-from minidist.parallel.schedules import (
+from minidist.parallel.pp.nccl_model import RECV, SEND, Op, Post, Wait, replay
+from minidist.parallel.pp.p2p import Message, message_of, p2p_program, peer_of, posting_order
+from minidist.parallel.pp.pipeline import PipelineRunner, partition_model
+from minidist.parallel.pp.schedules import (
     COMPUTE,
     RECV_B,
     RECV_F,
@@ -32,7 +34,6 @@ from minidist.parallel.schedules import (
     build_schedule,
     forward_only,
 )
-from minidist.topology import ParallelDims, Topology
 
 SHAPE = (4, 32, 64)  # every message of a step has one shape, so only the order can tell messages apart
 
@@ -122,7 +123,7 @@ def test_each_send_is_posted_after_its_compute_and_each_receive_before_its_use()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The order before the steps (git show 91646a4:minidist/parallel/pipeline.py), rebuilt faithfully
+# The order before the steps (git show 91646a4:minidist/parallel/pp/pipeline.py), rebuilt faithfully
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The layout planner (minidist.plan): its command line, the token-count parse, one-line errors, memory
+"""The layout planner (minidist.plan.search): its command line, the token-count parse, one-line errors, memory
 rejections with their reasons, and a step time checked by hand on a small case."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from minidist.cost_model import alpha_beta_time
+from minidist.comm.cost_model import alpha_beta_time
 from minidist.flops import count_params, mfu_flops_per_token
 from minidist.hardware import Link
-from minidist.memory_estimate import FP32, Layout, estimate_memory
 from minidist.model import get_preset
-from minidist.plan import JSON_KEYS, global_batch_sequences, main, parse_tokens, rank_of, search
-from minidist.plan_cost import Cluster, predict_step
+from minidist.plan.rank_memory import FP32, Layout, estimate_memory
+from minidist.plan.search import JSON_KEYS, global_batch_sequences, main, parse_tokens, rank_of, search
+from minidist.plan.step_time import Cluster, predict_step
 
 TINY_ARGS = ["--model", "tiny", "--gpus", "8", "--gpu", "H100-SXM", "--seq-len", "256",
              "--global-batch-tokens", "64K"]

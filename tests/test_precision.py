@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import precision, train
-from minidist.launch import run_ranks
+from minidist import precision
+from minidist.comm.launch import run_ranks
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.optim import build_optimizer
 from minidist.parallel import ParallelModel
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train import loop as train
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.optim import build_optimizer
 
 MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 # bf16 keeps 8 significant bits: one rounding is up to 2^-9 = 0.2% relative. A dp2 run rounds different partial

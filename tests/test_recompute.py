@@ -4,9 +4,9 @@ activation memory of full recomputation is one [B, T, d] block input per block, 
 import pytest
 import torch
 
-from minidist import train
 from minidist.memory import LiveTensorBytes, apply_recompute
 from minidist.model import build_model, get_preset, lm_loss
+from minidist.train import loop as train
 from tests.test_train import small_config
 
 MODEL = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}

@@ -1,4 +1,5 @@
-"""Replica checks and fault drills (minidist.replicas, minidist.faults): one flipped mantissa bit on one copy of a
+"""Replica checks and fault drills (minidist.trust.replicas, minidist.trust.faults): one flipped mantissa bit on one
+copy of a
 replicated parameter is found by comparing hashes at the next check, naming the ranks and the tensor; the loss does
 not show it. Under ZeRO-1 the next all-gather of parameters makes the copies agree again, so the check cannot see a
 flip once that all-gather has run (the blind spot chapter 13 explains). One launch of 2 ranks runs every case."""
@@ -10,10 +11,11 @@ import pytest
 import torch.distributed as dist
 from test_checkpoint import small_config
 
-from minidist import faults, train
-from minidist.launch import run_ranks
-from minidist.replicas import ReplicasDiffer
-from minidist.train import ConfigError
+from minidist.comm.launch import run_ranks
+from minidist.train import loop as train
+from minidist.train.loop import ConfigError
+from minidist.trust import faults
+from minidist.trust.replicas import ReplicasDiffer
 
 CASES = {
     "dp2 clean": dict(dp=2, check_every=1),

@@ -1,4 +1,5 @@
-"""Resharded resume (minidist.reshard): the run arithmetic on its own, then trainer runs stopped with --stop-after in
+"""Resharded resume (minidist.train.reshard): the run arithmetic on its own, then trainer runs stopped with
+--stop-after in
 one layout and resumed in another, whose logs must be the uninterrupted one-process run's (rel 1e-5), and whose
 checkpoints, read back whole by `read_full_model`, must be the one-process run's at the same step.
 
@@ -21,10 +22,11 @@ import torch
 import torch.distributed as dist
 import trainer_parity
 
-from minidist import checkpoint, reshard, run_state, train
-from minidist.distributed import DistEnv, init_distributed, resolve_parallel_dims
-from minidist.launch import run_ranks
-from minidist.train import ConfigError, TrainConfig
+from minidist.comm.launch import run_ranks
+from minidist.train import checkpoint, reshard, run_state
+from minidist.train import loop as train
+from minidist.train.distributed import DistEnv, init_distributed, resolve_parallel_dims
+from minidist.train.loop import ConfigError, TrainConfig
 
 # tied embeddings: under pp the first and last stage each hold tok_emb.weight, and only one of them writes it
 MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32,

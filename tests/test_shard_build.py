@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from minidist.flops import count_params
-from minidist.init import init_value
 from minidist.memory import LiveTensorBytes
 from minidist.model import Transformer, build_model, get_preset
-from minidist.parallel.layout import narrow, placement_of
-from minidist.parallel.tensor import apply_tensor_parallel
-from minidist.shard_build import ConstructionComm, build_tp_shard, materialize, meta_model
+from minidist.model.init import init_value
+from minidist.parallel.materialize import ConstructionComm, build_tp_shard, materialize, meta_model
+from minidist.parallel.placement import narrow, placement_of
+from minidist.parallel.tp.tensor import apply_tensor_parallel
 
 
 def _full_bytes(param: torch.Tensor) -> int:

@@ -26,20 +26,20 @@ from parity import (
     reference_run,
 )
 
-from minidist.comm import Ledger
-from minidist.init import init_value
-from minidist.launch import run_ranks
+from minidist.comm.communicator import Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model
-from minidist.parallel.layout import clip_grad_norm_, full_tensor, gather_full, placement_of
-from minidist.parallel.tensor import (
+from minidist.model.init import init_value
+from minidist.parallel.dp.zero import ZeroOptimizer
+from minidist.parallel.placement import clip_grad_norm_, full_tensor, gather_full, placement_of
+from minidist.parallel.tp.tensor import (
     apply_tensor_parallel,
     expected_tp_traffic,
     tensor_parallel_plan,
     validate_tensor_parallel,
 )
-from minidist.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_lm_loss
-from minidist.parallel.zero import ZeroOptimizer
-from minidist.topology import ParallelDims, Topology
+from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy, vocab_parallel_lm_loss
 
 # GPT-2's choices (GELU, LayerNorm with biases, learned positions, tied embeddings) on the parity shapes; with
 # n_kv_heads=2, tp=4 replicates the kv heads, so this covers every special gradient path.

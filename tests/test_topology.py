@@ -6,9 +6,9 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from minidist.comm import Comm
-from minidist.launch import run_ranks
-from minidist.topology import GROUP_NAMES, ParallelDims, Topology, coordinates, group_ranks, rank_grid
+from minidist.comm.communicator import Comm
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import GROUP_NAMES, ParallelDims, Topology, coordinates, group_ranks, rank_grid
 
 # (pp, dp, cp, tp, ep) layouts; each must use all ranks.
 # Each launch checks a few layouts against DeviceMesh (each layout costs ~1 s of group creation on 8 ranks); the

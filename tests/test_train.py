@@ -10,15 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from minidist import health, train
-from minidist.corpus import BatchSampler, load_corpus, unigram_entropy_nats
-from minidist.distributed import resolve_parallel_dims
+from minidist.comm.topology import ParallelDims
+from minidist.data.corpus import BatchSampler, load_corpus, unigram_entropy_nats
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.optim import WarmupCosine, build_optimizer, param_groups
 from minidist.parallel import ParallelModel, clip_grad_norm_, placement_of
-from minidist.reshard import read_full_model
-from minidist.topology import ParallelDims
-from minidist.train_config import (
+from minidist.train import loop as train
+from minidist.train.config import (
     FLAGS,
     ConfigError,
     TrainConfig,
@@ -27,6 +24,10 @@ from minidist.train_config import (
     config_to_values,
     parse_config,
 )
+from minidist.train.distributed import resolve_parallel_dims
+from minidist.train.optim import WarmupCosine, build_optimizer, param_groups
+from minidist.train.reshard import read_full_model
+from minidist.trust import health
 
 SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 

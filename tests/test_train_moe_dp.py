@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from minidist import checkpoint
-from minidist.launch import run_ranks
-from minidist.train import parse_config, train
+from minidist.comm.launch import run_ranks
+from minidist.train import checkpoint
+from minidist.train.loop import parse_config, train
 
 FIGURES = ("loss", "aux_loss", "grad_norm", "moe_load_imbalance", "moe_max_load_imbalance", "moe_drop_rate",
            "moe_balance_loss", "moe_z_loss", "val_loss")

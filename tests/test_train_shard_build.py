@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from minidist import train
-from minidist.distributed import DistEnv, init_distributed, resolve_parallel_dims
+from minidist.comm.launch import run_ranks
 from minidist.flops import count_params
-from minidist.launch import run_ranks
 from minidist.memory import LiveTensorBytes
-from minidist.parallel.layout import placement_of
+from minidist.parallel.placement import placement_of
+from minidist.train import loop as train
+from minidist.train.distributed import DistEnv, init_distributed, resolve_parallel_dims
 
 # d 256, 4 layers: 3.3M parameters (13.1 MB fp32); the largest is a 256 x 768 MLP matrix (0.79 MB).
 MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=64)

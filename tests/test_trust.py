@@ -15,8 +15,9 @@ import pytest
 import torch
 from test_checkpoint import records, small_config
 
-from minidist import checkpoint, run_dir, train
-from minidist.train import ConfigError
+from minidist.train import checkpoint, run_dir
+from minidist.train import loop as train
+from minidist.train.loop import ConfigError
 
 
 class Payload:

@@ -14,10 +14,10 @@ import parity
 import pytest
 import torch
 
-from minidist.comm import Comm, ring_bytes_sent
+from minidist.comm.communicator import Comm, ring_bytes_sent
 from minidist.model import build_model, lm_loss
 from minidist.parallel import ZeroOptimizer, clip_grad_norm_, placement_of, zero_comm_bytes, zero_memory_bytes
-from minidist.parallel.zero import ELEMENTWISE_OPTIMIZERS
+from minidist.parallel.dp.zero import ELEMENTWISE_OPTIMIZERS
 
 WORLDS = (2, 4)
 STAGES = (0, 1, 2, 3)
@@ -190,9 +190,9 @@ def test_checkpoint_resume_is_exact(stage: int) -> None:
 
 
 def test_trainer_matches_one_process_and_resumes_exactly(tmp_path, one_thread) -> None:
-    """`minidist.train` at dp=2, ZeRO 0-3, 2 micro-batches: the logged losses are the single-process run's; a run
+    """`minidist.train.loop` at dp=2, ZeRO 0-3, 2 micro-batches: the logged losses are the single-process run's; a run
     resumed from its step-2 checkpoint redoes steps 3-4 bit for bit, and the replicas agree on the parameters."""
-    from minidist import train
+    from minidist.train import loop as train
 
     single = train.train(dp_cases.trainer_config(str(tmp_path / "single"), ckpt_every=0))
     for stage in STAGES:

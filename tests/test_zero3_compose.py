@@ -13,16 +13,16 @@ import torch
 import torch.distributed as dist
 import trainer_parity
 
-from minidist import health
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model
-from minidist.optim import build_optimizer
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.pipeline import chunk_layers
-from minidist.replicas import ReplicasDiffer, check_replicas, replica_comms
-from minidist.topology import ParallelDims, Topology
-from minidist.train import TrainConfig
-from minidist.train_config import model_config
+from minidist.parallel.pp.pipeline import chunk_layers
+from minidist.train.config import model_config
+from minidist.train.loop import TrainConfig
+from minidist.train.optim import build_optimizer
+from minidist.trust import health
+from minidist.trust.replicas import ReplicasDiffer, check_replicas, replica_comms
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 4 layers split over pp 2 (x 2 virtual stages) or pp 4.
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}

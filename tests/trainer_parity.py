@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import train
 from minidist.debug import tolerance
+from minidist.train import loop as train
 
 
 def records(out: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """The hang clinic (chapter 14): the classic distributed hangs, each reproduced on two gloo ranks with a short
 timeout, and diagnosed from the flight records (`minidist.debug.diff`).
 
-`run_hang(name, out, timeout_s)` runs one of `HANGS` on two processes (`minidist.launch.run_ranks`). Each rank
+`run_hang(name, out, timeout_s)` runs one of `HANGS` on two processes (`minidist.comm.launch.run_ranks`). Each rank
 talks through a `Comm` with a `FlightRecorder` over a group whose collectives give up after `timeout_s`; when its
 call raises (the timeout, or gloo noticing the mismatch), or when it finishes, the rank writes its record to
 `out/flight/rank{R}.json`; it also rewrites it before each call, since gloo aborts the process on some
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Comm, Handle
+from minidist.comm.communicator import Comm, Handle
+from minidist.comm.launch import RankFailed, run_ranks
+from minidist.comm.recorder import FlightRecorder, describe_exception, flight_path
 from minidist.debug.diff import FlightError, diff, load, report
-from minidist.debug.recorder import FlightRecorder, describe_exception, flight_path
-from minidist.launch import RankFailed, run_ranks
-from minidist.parallel.pipeline_p2p import peer_of
-from minidist.parallel.schedules import RECV_B, RECV_F, SEND_B, SEND_F, build_schedule
+from minidist.parallel.pp.p2p import peer_of
+from minidist.parallel.pp.schedules import RECV_B, RECV_F, SEND_B, SEND_F, build_schedule
 
 WORLD = 2
 

@@ -1,6 +1,6 @@
 """Line the ranks' flight records up and name where they diverge (`python -m minidist.debug diff OUT`).
 
-Every record carries its index (`minidist.debug.recorder`): the k-th collective of a group on one rank must meet
+Every record carries its index (`minidist.comm.recorder`): the k-th collective of a group on one rank must meet
 the k-th collective of that group on every other member, and the i-th send from a to b the i-th receive b posts
 from a (NCCL has no tags). So for each group:
 
@@ -10,7 +10,8 @@ from a (NCCL has no tags). So for each group:
   the calls *mismatch* (op, shape, dtype, reduce op or source, or call site: the same op from different lines
   means the ranks are out of step).
 - **point-to-point**: per ordered pair, the i-th send against the i-th receive: shapes and dtypes must agree.
-  Then the posts are replayed under NCCL's rules (`minidist.nccl_model.replay`, each batch as one NCCL group, each
+  Then the posts are replayed under NCCL's rules (`minidist.parallel.pp.nccl_model.replay`, each batch as one NCCL
+  group, each
   single isend/irecv on its pair's stream): ranks stuck on operations towards each other that the peer posted,
   or sends both ways that neither side's receive will ever meet first, are *an order NCCL cannot match*; a stuck
   operation whose peer never posted its match is *unmatched* (the ranks disagree on how many messages pass).
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minidist.debug.recorder import FORMAT, P2P_OPS
-from minidist.nccl_model import RECV, SEND, Op, Post, replay
+from minidist.comm.recorder import FORMAT, P2P_OPS
+from minidist.parallel.pp.nccl_model import RECV, SEND, Op, Post, replay
 
 _FIELDS = {"seq": int, "group": str, "ranks": list, "op": str, "index": int, "shape": list, "site": str}
 _MAX_RANKS = 1 << 16

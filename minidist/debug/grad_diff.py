@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minidist.comm import Comm
-from minidist.parallel.layout import gather_full
+from minidist.comm.communicator import Comm
+from minidist.parallel.placement import gather_full
 
 
 def full_named(model: nn.Module, tp_comm: Comm | None = None, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -30,15 +30,15 @@ from unittest import mock
 
 import torch
 
-from minidist.comm import Handle
+from minidist.comm.communicator import Handle
 from minidist.debug import grad_diff, tolerance
-from minidist.parallel import tensor as tensor_parallel
-from minidist.parallel.data_parallel import AllReduceGrads
-from minidist.parallel.layout import Placement, placement_of
-from minidist.parallel.pipeline import PipelineRunner
+from minidist.parallel.dp.data_parallel import AllReduceGrads
+from minidist.parallel.placement import Placement, placement_of
+from minidist.parallel.pp.pipeline import PipelineRunner
+from minidist.parallel.tp import tensor as tensor_parallel
 
-# the module, not the function `minidist.parallel.parallelize` that the package exports under the same name
-assembly = importlib.import_module("minidist.parallel.parallelize")
+# the module, not the function `minidist.parallel.assembly` that the package exports under the same name
+assembly = importlib.import_module("minidist.parallel.assembly")
 
 
 @dataclass(frozen=True)

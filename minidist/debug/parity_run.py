@@ -6,7 +6,7 @@ of every step, the first step's full gradients and the initial full parameters b
 collected from pipeline stages), the contribution of every parameter to the gradient norm as the layout computed
 it, the replica check's verdict after the last step and the bytes the data-parallel reduction sent.
 
-`run(setup)` runs one `Setup` on its ranks (`minidist.launch.run_ranks`) and merges them; `run_local(setup)` runs a
+`run(setup)` runs one `Setup` on its ranks (`minidist.comm.launch.run_ranks`) and merges them; `run_local(setup)` runs a
 one-rank setup in this process (the reference). `run_rank(setups)` is the rank function: one launch can run many
 setups of the same world size (each builds its own groups), which is what keeps the tests fast.
 """
@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minidist.comm import Ledger
-from minidist.corpus import BatchSampler, load_corpus
+from minidist.comm.communicator import Ledger
+from minidist.comm.launch import run_ranks
+from minidist.comm.topology import ParallelDims, Topology
+from minidist.data.corpus import BatchSampler, load_corpus
 from minidist.debug import grad_diff, museum
-from minidist.launch import run_ranks
 from minidist.model import ModelConfig, build_model, get_preset
-from minidist.optim import build_optimizer
 from minidist.parallel import ParallelOptions, parallelize
-from minidist.parallel.data_parallel import DataParallel, split_batch
-from minidist.parallel.parallelize import IGNORE_INDEX
+from minidist.parallel.assembly import IGNORE_INDEX
+from minidist.parallel.dp.data_parallel import DataParallel, split_batch
 from minidist.precision import autocast_for
-from minidist.replicas import ReplicasDiffer, check_replicas, replica_comms
-from minidist.topology import ParallelDims, Topology
+from minidist.train.optim import build_optimizer
+from minidist.trust.replicas import ReplicasDiffer, check_replicas, replica_comms
 
 # Small enough for 2 CPU ranks in a second; every layout of the lab divides it (2 layers for pp 2, 4 heads and
 # 2 kv heads for tp 2, 8 rows for dp 4 x 2 micro-batches).

@@ -92,7 +92,7 @@ class DeferredHead(nn.Module):
 
 class ChunkedLMLoss:
     """loss_fn(hidden, targets) -> Σ token losses (fp32) over the head of a model whose `lm_head` is a
-    `DeferredHead`: what `minidist.parallel.parallelize` scores a micro-batch with."""
+    `DeferredHead`: what `minidist.parallel.assembly` scores a micro-batch with."""
 
     def __init__(self, head: DeferredHead, chunk: int) -> None:
         self.head, self.chunk = head, chunk

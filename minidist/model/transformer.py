@@ -106,7 +106,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -10
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """Construct the model and give every parameter its layout-independent initial value."""
-    from minidist.init import init_parameters
+    from minidist.model.init import init_parameters
 
     model = Transformer(cfg)
     init_parameters(model, cfg, seed)

@@ -8,7 +8,8 @@ the package (`layout.clip_grad_norm_`) reads it.
 docs/ARCHITECTURE.md draws the map.
 """
 
-from minidist.parallel.data_parallel import (
+from minidist.parallel.assembly import ParallelModel, ParallelOptions, StepLosses, count_targets, parallelize
+from minidist.parallel.dp.data_parallel import (
     Bucket,
     DataParallel,
     assign_buckets,
@@ -16,12 +17,11 @@ from minidist.parallel.data_parallel import (
     check_batch_split,
     split_batch,
 )
-from minidist.parallel.layout import Placement, Split, clip_grad_norm_, grad_norm, placement_of
-from minidist.parallel.parallelize import ParallelModel, ParallelOptions, StepLosses, count_targets, parallelize
-from minidist.parallel.timeline import Timeline
-from minidist.parallel.zero import ZeroOptimizer
-from minidist.parallel.zero_bytes import storage_bytes, zero_comm_bytes, zero_memory_bytes
-from minidist.parallel.zero_params import default_units
+from minidist.parallel.dp.timeline import Timeline
+from minidist.parallel.dp.zero import ZeroOptimizer
+from minidist.parallel.dp.zero_bytes import storage_bytes, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel.dp.zero_params import default_units
+from minidist.parallel.placement import Placement, Split, clip_grad_norm_, grad_norm, placement_of
 
 __all__ = [
     "ParallelModel",

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
 
 SHAPES = [(1,), (2,), (7,), (13,), (1001,), (5, 3)]
 FUNCTIONS = ["ring_all_reduce", "ring_reduce_scatter"]

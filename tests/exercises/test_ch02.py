@@ -1,7 +1,7 @@
 """Grade chapter 02's exercises: initialization for layers of unequal width, and the gain of any activation.
 
 `pytest tests/exercises -k ch02` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
-Each answer is checked twice: against `minidist.init` or Gauss–Hermite quadrature (a method the exercise does not
+Each answer is checked twice: against `minidist.model.init` or Gauss–Hermite quadrature (a method the exercise does not
 ask for), and by what initialization is for — a deep stack whose signal keeps its size, measured.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from grading import load
 
-from minidist.init import kaiming_std, xavier_std
+from minidist.model.init import kaiming_std, xavier_std
 
 MODULE = "ch02_init"
 pytestmark = pytest.mark.usefixtures("one_thread")

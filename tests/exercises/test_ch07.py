@@ -2,7 +2,7 @@
 
 `pytest tests/exercises -k ch07` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
 The oracles: one process's gradient of the whole global batch (data parallelism must reproduce it), the bucket
-layout of `minidist.parallel.data_parallel.assign_buckets`, and the flat layout of its `Bucket` (padding and
+layout of `minidist.parallel.dp.data_parallel.assign_buckets`, and the flat layout of its `Bucket` (padding and
 `shard_range`) for ZeRO's pieces.
 """
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from grading import load
 from torch import nn
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.parallel.data_parallel import Bucket, assign_buckets
+from minidist.parallel.dp.data_parallel import Bucket, assign_buckets
 
 MODULE = "ch07_data_parallel"
 # A model small enough to train in milliseconds, with 21 parameter tensors of 32 to 2048 elements.

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.launch import run_ranks
+from minidist.comm.launch import run_ranks
 
 MODULE = "ch08_tensor_parallel"
 LEAD, IN, OUT, HIDDEN = (2, 3), 12, 18, 24  # every width divides by 2 and by 3

@@ -1,7 +1,7 @@
 """Grade chapter 09's exercises: the 1F1B schedule and the breadth-first (looped) schedule, as data.
 
 `pytest tests/exercises -k ch09` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
-The oracle is the chapter's simulator, `minidist.parallel.schedules.simulate` (deadlocks, compute before its input)
+The oracle is the chapter's simulator, `minidist.parallel.pp.schedules.simulate` (deadlocks, compute before its input)
 with `check_complete`, and the chapter's formulas: bubble (p−1)/(m+p−1) for 1F1B and (p−1)/(v·m+p−1) breadth-first,
 step time, micro-batches in flight per rank. Calling or importing minidist's own schedule builders is refused.
 """
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from minidist.parallel import schedules as S
+from minidist.parallel.pp import schedules as S
 
 MODULE = "ch09_pipeline_schedules"
 BUILDERS = ("build_schedule", "afab_order", "one_f_one_b_order", "interleaved_order", "with_communication",
@@ -29,12 +29,12 @@ def _own_work_only(module):
     originals = {name: getattr(S, name) for name in BUILDERS}
     imported = [name for name, value in vars(module).items() if any(value is f for f in originals.values())]
     if imported:
-        pytest.fail(f"{module.__name__} imports {imported} from minidist.parallel.schedules: build the lists yourself",
-                    pytrace=False)
+        pytest.fail(f"{module.__name__} imports {imported} from minidist.parallel.pp.schedules: "
+                    "build the lists yourself", pytrace=False)
 
     def refuse(name):
         def call(*args, **kwargs):
-            raise Refused(f"minidist.parallel.schedules.{name} builds the schedule for you: write your own")
+            raise Refused(f"minidist.parallel.pp.schedules.{name} builds the schedule for you: write your own")
         return call
 
     try:
@@ -73,7 +73,7 @@ def _check_structure(schedule, pp: int, m: int, v: int, where: str) -> None:
     assert isinstance(schedule, list) and len(schedule) == pp, f"{where}: expected a list of {pp} lists (one per rank)"
     for r, order in enumerate(schedule):
         bad = [a for a in order if not isinstance(a, S.Action)]
-        assert not bad, f"{where}: rank {r} holds {bad[:2]}, not minidist.parallel.schedules.Action"
+        assert not bad, f"{where}: rank {r} holds {bad[:2]}, not minidist.parallel.pp.schedules.Action"
     try:
         S.check_complete(schedule, pp, m, v)
     except ValueError as error:

@@ -2,7 +2,7 @@
 
 `pytest tests/exercises -k ch11` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
 The cases are the chapter's example (2 ep ranks, 4 experts, top-2, 6 tokens per rank: the notebook draws it) and
-random ones; the oracles are `minidist.parallel.expert` (expert_owner, arrival_order) and the properties that
+random ones; the oracles are `minidist.parallel.ep.expert` (expert_owner, arrival_order) and the properties that
 define each answer. The last test runs a whole dispatch and combine on one process with your functions.
 """
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from grading import load
 
-from minidist.parallel.expert import arrival_order, expert_owner
+from minidist.parallel.ep.expert import arrival_order, expert_owner
 
 MODULE = "ch11_expert"
 pytestmark = pytest.mark.usefixtures("one_thread")

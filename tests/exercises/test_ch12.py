@@ -1,8 +1,8 @@
 """Grade chapter 12's exercises: the rank grid of five dimensions and a memory estimate per rank.
 
 `pytest tests/exercises -k ch12` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
-Oracles: `minidist.topology` (coordinates, group_ranks), `minidist.memory_estimate.model_state_bytes` (on a small
-MoE model's real parameter counts) and the 1F1B schedule `minidist.parallel.schedules` builds.
+Oracles: `minidist.comm.topology` (coordinates, group_ranks), `minidist.plan.rank_memory.model_state_bytes` (on a small
+MoE model's real parameter counts) and the 1F1B schedule `minidist.parallel.pp.schedules` builds.
 """
 
 import random
@@ -10,10 +10,10 @@ import random
 import pytest
 from grading import load
 
-from minidist.memory_estimate import BF16_MIXED, FP32, Layout, model_state_bytes, rank_params
+from minidist.comm.topology import ParallelDims, coordinates, group_ranks
 from minidist.model import get_preset
-from minidist.parallel.schedules import build_schedule
-from minidist.topology import ParallelDims, coordinates, group_ranks
+from minidist.parallel.pp.schedules import build_schedule
+from minidist.plan.rank_memory import BF16_MIXED, FP32, Layout, model_state_bytes, rank_params
 
 MODULE = "ch12_five_dimensions"
 CHAPTER_GRID = dict(dp=2, tp=2, pp=2, cp=2, ep=2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from grading import load
 
-from minidist.comm import Ledger
+from minidist.comm.communicator import Ledger
 from minidist.debug import museum, tolerance
 from minidist.debug import parity_run as pr
 

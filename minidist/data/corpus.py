@@ -1,0 +1,421 @@
+"""Data: a byte tokenizer, a corpus that needs no download, and a deterministic, resumable batch sampler.
+
+Tokens are bytes (vocabulary 256), so tokenizing is the identity on UTF-8 bytes and a corpus is a uint8 tensor.
+
+Sources accepted by `load_corpus`:
+
+- ``None`` or ``"stdlib"``: the ``.py`` files of the running Python's standard library
+  (``sysconfig.get_paths()["stdlib"]``), about 12 MB of real, varied text. Left out: ``site-packages`` and
+  ``dist-packages`` (third-party code that differs from machine to machine), the test suites (directories named
+  ``test``, ``tests``, ``idle_test``: 2.5x the size of the library and full of deliberately odd files), build
+  leftovers (``config-*`` directories, the generated ``_sysconfigdata*.py``), ``__pycache__`` and hidden entries.
+- a directory: every regular file below it, recursively, except hidden files and folders and binary files (a NUL
+  byte in the first 8 KiB, git's rule).
+- a glob pattern (``"notes/**/*.md"``): the matching regular files, taken as they are.
+- a text file: its bytes.
+- a ``.bin`` file: raw uint8 tokens, one byte per token, no header (what ``open(p, "wb").write(text.encode())``
+  or ``np.asarray(ids, np.uint8).tofile(p)`` writes). With byte-level tokens this is the same data as a text file.
+- a ``.npy`` file: a 1-D integer array of token ids, each in [0, 256).
+
+Train/validation split. Several files: split by file, so no file leaks into both. Files are ordered by a hash of
+their relative path and validation takes files in that order until it holds at least ``val_fraction`` of the bytes
+(never every file). Adding a file therefore moves at most the files near the cut, it does not reshuffle the rest.
+One file, ``.bin`` or ``.npy``: the last ``val_fraction`` of the bytes / tokens is validation.
+Files are joined with the ASCII "file separator" byte 0x1C, which never occurs in source code.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import math
+import os
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB_SIZE = 256  # byte-level
+FILE_SEPARATOR = b"\x1c"  # ASCII FS (file separator), placed between files in a joined corpus
+
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_BINARY_SNIFF_BYTES = 8192
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: encode is exact, decode replaces invalid byte sequences with U+FFFD."""
+
+    vocab_size: int = VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.flatten().tolist()
+        try:
+            data = bytes(ids)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"decode needs byte token ids, integers in [0, {VOCAB_SIZE}): {e}") from None
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # 1-D torch.uint8 tokens
+    val: torch.Tensor  # 1-D torch.uint8 tokens
+    description: str
+    # Names of the files in each split (relative to the source); both name the one file for a byte split.
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """Relative POSIX paths of the standard-library ``.py`` files in the default corpus, sorted."""
+    root = stdlib_root() if root is None else root
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not _skip_stdlib_dir(d)]
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith((".", "_sysconfigdata")):
+                found.append((rel_dir / name).as_posix())
+    return sorted(found)
+
+
+def _skip_stdlib_dir(name: str) -> bool:
+    return name in _STDLIB_SKIP_DIRS or name.startswith((".", "config-"))
+
+
+def _path_hash(name: str) -> int:
+    # A stable hash (Python's hash() is salted per process).
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def _val_file_indices(names: Sequence[str], sizes: Sequence[int], val_fraction: float) -> set[int]:
+    """Files in hash order until validation holds >= val_fraction of the bytes; never all files."""
+    if val_fraction == 0 or len(names) < 2:
+        return set()
+    order = sorted(range(len(names)), key=lambda i: (_path_hash(names[i]), names[i]))
+    target = val_fraction * sum(sizes)
+    chosen: set[int] = set()
+    held = 0
+    for i in order[:-1]:
+        if held >= target:
+            break
+        chosen.add(i)
+        held += sizes[i]
+    return chosen
+
+
+def _fmt_size(n: int) -> str:
+    if n >= 1_000_000:
+        return f"{n / 1e6:.1f} MB"
+    if n >= 1_000:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n} B"
+
+
+def _files_word(n: int) -> str:
+    return f"{n:,} file" if n == 1 else f"{n:,} files"
+
+
+@dataclass(frozen=True)
+class _Split:
+    train: bytes
+    val: bytes
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    summary: str  # "N files, X MB (train ... / val ...)"
+
+
+def _split_files(names: Sequence[str], blobs: Sequence[bytes], val_fraction: float) -> _Split:
+    if len(names) == 1:
+        return _split_bytes(names[0], blobs[0], val_fraction, unit="bytes")
+    val_idx = _val_file_indices(names, [len(b) for b in blobs], val_fraction)
+    tr = [i for i in range(len(names)) if i not in val_idx]
+    va = sorted(val_idx)
+    train = FILE_SEPARATOR.join(blobs[i] for i in tr)
+    val = FILE_SEPARATOR.join(blobs[i] for i in va)
+    total = sum(len(b) for b in blobs)
+    summary = (
+        f"{_files_word(len(names))}, {_fmt_size(total)} (train {_files_word(len(tr))} {_fmt_size(len(train))}"
+        f" / val {_files_word(len(va))} {_fmt_size(len(val))})"
+    )
+    return _Split(train, val, tuple(names[i] for i in tr), tuple(names[i] for i in va), summary)
+
+
+def _split_bytes(name: str, data: bytes, val_fraction: float, unit: str) -> _Split:
+    n = len(data)
+    n_val = round(n * val_fraction)
+    if val_fraction > 0 and n >= 2:
+        n_val = min(max(n_val, 1), n - 1)  # both splits non-empty
+    train, val = data[: n - n_val], data[n - n_val :]
+    if unit == "bytes":
+        summary = (
+            f"{_fmt_size(n)} (train {_fmt_size(len(train))} / val {_fmt_size(len(val))}, the last {val_fraction:.0%})"
+        )
+    else:
+        summary = f"{n:,} tokens (train {len(train):,} / val {len(val):,}, the last {val_fraction:.0%})"
+    return _Split(train, val, (name,), (name,), summary)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_stdlib(root: str, val_fraction: float, max_bytes: int | None) -> _Split:
+    # Cached: the standard library does not change while a process runs, and reading ~1,800 files costs time.
+    names = stdlib_files(Path(root))
+    kept, blobs, total = [], [], 0
+    for name in names:
+        data = (Path(root) / name).read_bytes()
+        if max_bytes is not None:
+            room = max_bytes - total - (len(FILE_SEPARATOR) if kept else 0)
+            if len(data) > room:
+                if not kept:  # the first file alone is over the cap: keep its head, never return nothing
+                    kept, blobs = [name], [data[:max_bytes]]
+                break
+            total += len(data) + (len(FILE_SEPARATOR) if kept else 0)
+        kept.append(name)
+        blobs.append(data)
+    return _split_files(kept, blobs, val_fraction)
+
+
+def clear_cache() -> None:
+    """Forget the cached standard-library corpus (tests use this to check a fresh load gives the same result)."""
+    _load_stdlib.cache_clear()
+
+
+def _is_binary(data: bytes) -> bool:
+    return b"\0" in data[:_BINARY_SNIFF_BYTES]
+
+
+def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
+    names, blobs = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for fname in filenames:
+            path = Path(dirpath) / fname
+            if fname.startswith(".") or not path.is_file():
+                continue
+            data = path.read_bytes()
+            if not _is_binary(data):
+                names.append(path.relative_to(root).as_posix())
+                blobs.append(data)
+    order = sorted(range(len(names)), key=names.__getitem__)
+    return [names[i] for i in order], [blobs[i] for i in order]
+
+
+def _load_npy(path: Path) -> bytes:
+    arr = np.load(path, allow_pickle=False)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; a .npy corpus must be 1-D integer")
+    if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+        raise ValueError(
+            f"{str(path)!r} has token ids in [{arr.min()}, {arr.max()}]; "
+            f"byte-level tokens must lie in [0, {VOCAB_SIZE})"
+        )
+    return arr.astype(np.uint8).tobytes()
+
+
+def _to_tensor(data: bytes) -> torch.Tensor:
+    # bytearray gives torch a writable buffer it owns: the cached bytes stay untouched whatever callers do.
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
+    """Load a byte-level corpus split into train and validation; see the module docstring for the sources."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be None or a positive int, got {max_bytes!r}")
+
+    if source is None or source == "stdlib":
+        root = stdlib_root()
+        split = _load_stdlib(str(root), float(val_fraction), max_bytes)
+        desc = f"python stdlib at {root}: {split.summary}"
+    else:
+        split, desc = _load_user_source(source, val_fraction)
+        if max_bytes is not None:
+            split, desc = _cap_user_split(split, desc, max_bytes)
+
+    if max_bytes is not None and source in (None, "stdlib"):
+        desc += f", capped at max_bytes={max_bytes:,}"
+    if not split.train:
+        raise ValueError(f"data source {source!r} gave an empty training split ({desc})")
+    return Corpus(_to_tensor(split.train), _to_tensor(split.val), desc, split.train_files, split.val_files)
+
+
+def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
+    path = Path(os.path.expanduser(source))
+    if not path.exists():
+        if any(c in source for c in "*?["):
+            matches = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+            if not matches:
+                raise ValueError(
+                    f"data source {source!r} matches no files; pass a text file, a directory of text files, "
+                    "a .bin file, or 'stdlib'"
+                )
+            split = _split_files(matches, [Path(p).read_bytes() for p in matches], val_fraction)
+            return split, f"files matching {source!r}: {split.summary}"
+        raise ValueError(
+            f"data source {source!r} does not exist; pass a text file, a directory of text files, a .bin file, "
+            "or 'stdlib'"
+        )
+    if path.is_dir():
+        names, blobs = _read_directory(path)
+        if not names:
+            raise ValueError(f"data source {source!r} is a directory with no text files (hidden and binary skipped)")
+        split = _split_files(names, blobs, val_fraction)
+        return split, f"text files under {path}: {split.summary}"
+    if path.suffix == ".bin":
+        split = _split_bytes(path.name, path.read_bytes(), val_fraction, unit="tokens")
+        return split, f"pre-tokenized uint8 file {path}: {split.summary}"
+    if path.suffix == ".npy":
+        split = _split_bytes(path.name, _load_npy(path), val_fraction, unit="tokens")
+        return split, f"pre-tokenized .npy file {path}: {split.summary}"
+    split = _split_bytes(path.name, path.read_bytes(), val_fraction, unit="bytes")
+    return split, f"text file {path}: {split.summary}"
+
+
+def _cap_user_split(split: _Split, desc: str, max_bytes: int) -> tuple[_Split, str]:
+    # User sources are capped after the split, keeping the val share: the head of each split.
+    total = len(split.train) + len(split.val)
+    if total <= max_bytes:
+        return split, desc + f", max_bytes={max_bytes:,} not reached"
+    n_val = min(len(split.val), math.floor(max_bytes * len(split.val) / total))
+    n_train = max_bytes - n_val
+    capped = _Split(split.train[:n_train], split.val[:n_val], split.train_files, split.val_files, split.summary)
+    return capped, desc + f", capped at max_bytes={max_bytes:,} (train {n_train:,} / val {n_val:,})"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling
+
+
+def _step_seed(seed: int, step: int) -> int:
+    # Hash (seed, step) into a 63-bit generator seed: neighbouring seeds/steps give unrelated streams. The salt is
+    # the sampler's first module path: part of every run's data order, so it stays when the module moves.
+    digest = hashlib.blake2b(f"minidist.corpus:{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
+class BatchSampler:
+    """Deterministic random windows: the global batch of step s depends only on (seed, s).
+
+    Each row is a window of seq_len + 1 tokens starting at a uniform random offset in [0, len - seq_len - 1];
+    inputs are its first seq_len tokens and targets its last seq_len (inputs shifted by one). Because any step can be
+    produced on its own, resuming is exact (store `step`) and data-parallel ranks take row slices of the same batch.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise ValueError(f"tokens must be a 1-D tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if tokens.numel() < seq_len + 1:
+            raise ValueError(
+                f"corpus has {tokens.numel():,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} needed for one window"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.step = 0  # the next step next_batch() / __next__ produces
+        self._window = torch.arange(seq_len + 1)
+
+    def _offsets(self, step: int) -> torch.Tensor:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        g = torch.Generator().manual_seed(_step_seed(self.seed, step))
+        return torch.randint(0, self.tokens.numel() - self.seq_len, (self.global_batch,), generator=g)
+
+    def _rows(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.tokens[offsets[:, None] + self._window].long()
+        return windows[:, :-1], windows[:, 1:]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the global batch of `step`, both int64 [global_batch, seq_len]."""
+        return self._rows(self._offsets(step))
+
+    def shard(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [rank*B/world, (rank+1)*B/world) of batch(step), computed without building the others."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"world must be an int >= 1, got {world!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
+        if self.global_batch % world:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not divisible by world {world}; use a multiple of {world}"
+            )
+        per = self.global_batch // world
+        return self._rows(self._offsets(step)[rank * per : (rank + 1) * per])
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def __iter__(self) -> BatchSampler:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "num_tokens": self.tokens.numel(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in ("seed", "seq_len", "global_batch", "step") if k not in state]
+        if missing:
+            raise ValueError(f"sampler state lacks {missing}; expected a dict from BatchSampler.state_dict()")
+        mine = self.state_dict()
+        keys = ["seed", "seq_len", "global_batch"] + (["num_tokens"] if "num_tokens" in state else [])
+        diffs = [f"{k} {state[k]} in state vs {mine[k]} here" for k in keys if state[k] != mine[k]]
+        if diffs:
+            raise ValueError(f"sampler state does not match this sampler: {'; '.join(diffs)}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"sampler state has step {step!r}; expected an int >= 0")
+        self.step = step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# baselines
+
+
+def unigram_entropy_nats(tokens: torch.Tensor) -> float:
+    """H = -sum_b p(b) ln p(b) over the token frequencies: the loss of a model that knows only byte frequencies."""
+    if tokens.numel() == 0:
+        raise ValueError("unigram entropy needs at least one token, got an empty tensor")
+    counts = torch.bincount(tokens.flatten().long()).double()
+    p = counts[counts > 0] / tokens.numel()
+    return float(-(p * p.log()).sum())
+
+
+def unigram_entropy_bits(tokens: torch.Tensor) -> float:
+    """Unigram entropy in bits per token (nats / ln 2); 8 bits is the uniform-byte ceiling."""
+    return unigram_entropy_nats(tokens) / math.log(2)

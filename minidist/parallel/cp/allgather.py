@@ -1,0 +1,48 @@
+"""All-gather key/value attention (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2): every rank gathers the
+keys and values of the whole sequence, then attends its own queries to them.
+
+Llama 3 chose it over the ring for two reasons the chapter measures: it is simpler (one collective, any mask), and
+with grouped-query attention the keys and values are much smaller than the queries, so gathering them costs little.
+Forward: one all-gather each of K and V over the cp group; backward: the gradients of the gathered K and V are
+partial sums over the ranks' queries, so one reduce-scatter each brings every rank the summed gradient of its own
+tokens. The gathered keys arrive in shard order (rank 0's tokens, then rank 1's, ...); the causal mask is built
+from their global positions, so no reordering is needed. Per rank and layer: 2·(cp−1)/cp · |K + V of the whole
+sequence| bytes (gather forward, reduce-scatter backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidist.comm.communicator import Comm
+from minidist.parallel.cp.blockwise import Work, blockwise_attention
+from minidist.parallel.cp.sharding import chunks_per_rank, shard_all
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[B, H, T/cp, d] -> [B, H, T, d] in shard order: all-gather forward, reduce-scatter of the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x.movedim(2, 0).contiguous()).movedim(0, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter(grad.movedim(2, 0).contiguous()).movedim(0, 2), None
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Every rank's tokens of x [B, H, T/cp, d], concatenated along the sequence in rank order."""
+    return _GatherSequence.apply(x, comm)
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
+                        scale: float | None = None, work: Work | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries to the all-gathered keys and values; shapes as `ring_attention`."""
+    cp, n = comm.size, chunks_per_rank(layout)
+    seq_len = q.shape[2] * cp
+    positions = shard_all(torch.arange(seq_len, device=q.device), cp, layout)  # [cp, T/cp]: who holds what
+    k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
+    return blockwise_attention(q, k_all, v_all, scale, q_pos=positions[comm.rank], k_pos=positions.flatten(),
+                               q_chunks=n, k_chunks=n * cp, work=work)

@@ -1,0 +1,393 @@
+"""Pipeline parallelism (chapter 09): cut a built model into stages and run any schedule on them.
+
+Three pieces:
+
+1. `partition_model` keeps the part of a full `Transformer` that one pipeline rank runs: its chunks of consecutive
+   blocks (p·v chunks, even by layers; rank r holds chunks r, r+p, r+2p, ...), the embedding with chunk 0, the
+   final norm, head and loss with the last chunk. The modules are the model's own, under the model's own names
+   ("blocks.5.attn.wq.weight"), so optimizers, checkpoints and parity tests compare parameters by name, and the
+   model's own forward runs them (over a chunk's blocks, with or without the embedding and the head).
+2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.pp.schedules` (any schedule: the
+   executor does not know which one it runs). Activations and gradients travel point to point through
+   `minidist.comm.communicator`, so the ledger sees every byte, in the steps `pipeline_p2p.p2p_program` plans: each a
+   batch that
+   neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up. The
+   last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
+   counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every
+   counted token of the batch, whatever each micro-batch counts (scaling micro-batch means by 1/m is right only
+   when all count the same). A micro-batch's
+   saved activations are released by its backward (nothing else holds them), which is what makes 1F1B's memory
+   smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
+3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
+
+Every stage recomputes RoPE's cos/sin from the model's rotary buffers for the positions of the micro-batch: only
+hidden states cross the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist.comm.communicator import Comm, Ledger
+from minidist.model.config import ModelConfig
+from minidist.model.transformer import Transformer, lm_loss
+from minidist.parallel.placement import placement_of
+from minidist.parallel.pp.nccl_model import Post, Wait
+from minidist.parallel.pp.p2p import InFlight, Message, Planned, message_of, p2p_program
+from minidist.parallel.pp.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    Event,
+    F,
+    build_schedule,
+    check_schedule_args,
+    forward_only,
+    rank_chunks,
+)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
+sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and partitioning
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_pipeline(cfg: ModelConfig, pp: int, microbatches: int, virtual_stages: int = 1,
+                      schedule: str = "1f1b", batch_size: int | None = None) -> None:
+    """Raise a one-line ValueError unless this model can be pipelined this way. Needs no process group.
+
+    `batch_size` (optional) is the number of sequences one pipeline replica processes per step (global batch / dp);
+    it must split into `microbatches` equal micro-batches.
+    """
+    check_schedule_args(schedule, pp, microbatches, virtual_stages)
+    check_partition(cfg, pp, virtual_stages)
+    if batch_size is not None and batch_size % microbatches:
+        fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"the batch of {batch_size} sequences per pipeline does not split into "
+                         f"microbatches={microbatches}; pick microbatches from {fits}")
+
+
+def check_partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> None:
+    """One-line ValueError unless the model's layers split into pp·virtual_stages chunks this pipeline supports."""
+    n_chunks = pp * virtual_stages
+    if cfg.n_layers < n_chunks:
+        what = f"pp={pp}" if virtual_stages == 1 else f"pp*virtual_stages={pp}*{virtual_stages}={n_chunks}"
+        raise ValueError(f"n_layers={cfg.n_layers} is fewer than the {n_chunks} pipeline chunks ({what}); "
+                         f"every chunk needs at least one layer")
+    if virtual_stages > 1 and cfg.n_layers % n_chunks:
+        fits = [v for v in range(1, cfg.n_layers // pp + 1) if cfg.n_layers % (pp * v) == 0]
+        raise ValueError(f"virtual_stages={virtual_stages} does not divide the layers per stage "
+                         f"(n_layers={cfg.n_layers} / pp={pp}); virtual_stages in {fits} would fit")
+
+
+def chunk_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
+    """The layers of each of the p·v chunks: consecutive, as even as possible (earlier chunks get the extra ones,
+    since the last chunk also runs the head and the loss)."""
+    n = pp * virtual_stages
+    base, extra = divmod(n_layers, n)
+    bounds = [0]
+    for c in range(n):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return [range(bounds[c], bounds[c + 1]) for c in range(n)]
+
+
+class StageModule(Transformer):
+    """The model as one pipeline rank holds it: the same modules under the same names, with the blocks of the other
+    ranks' chunks replaced by None (and the embedding, final norm and head where they are not on this rank).
+
+    It runs its parts through `Transformer.forward`'s keywords, so there is one forward in the package: a chunk is
+    `stage(x, positions, blocks=stage.layers[chunk], embed=<first chunk>, head=<last chunk>)`.
+    """
+
+    def __init__(self, model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
+                 loss_fn: LossFn = sum_lm_loss) -> None:
+        nn.Module.__init__(self)  # adopt the built (maybe tensor-parallel) model's modules; build none
+        self.cfg = model.cfg
+        self.pp, self.pp_rank, self.virtual_stages = pp, pp_rank, virtual_stages
+        self.n_chunks = pp * virtual_stages
+        self.chunks = rank_chunks(pp_rank, pp, virtual_stages)
+        layers = chunk_layers(model.cfg.n_layers, pp, virtual_stages)
+        self.layers = {c: list(layers[c]) for c in self.chunks}
+        self.has_first, self.has_last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+        mine = {i for c in self.chunks for i in self.layers[c]}
+        # A tied head's weight is the embedding's: the last stage keeps it under its one-process name (the
+        # embedding module is never called there); the two copies are kept equal by minidist.parallel.pp.tied.
+        tied = self.has_last and model.lm_head.weight is model.tok_emb.weight
+        self.tok_emb = model.tok_emb if self.has_first or tied else None
+        self.pos_emb = model.pos_emb if self.has_first else None
+        self.rotary = model.rotary  # buffers only: every stage turns positions into cos/sin itself
+        self.blocks = nn.ModuleList(block if i in mine else None for i, block in enumerate(model.blocks))
+        self.norm = model.norm if self.has_last else None
+        self.lm_head = model.lm_head if self.has_last else None
+        self.loss_fn = loss_fn
+        for param in self.parameters():  # the record every reader of the layout uses (norms, checkpoints)
+            param.placement = dataclasses.replace(placement_of(param), stage=pp_rank)
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk 0 takes tokens [B, T], the others hidden states [B, T, d]; the last returns logits."""
+        if chunk not in self.layers:
+            raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
+        return self(x, positions, blocks=self.layers[chunk], embed=chunk == 0, head=chunk == self.n_chunks - 1)
+
+
+def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
+                    loss_fn: LossFn = sum_lm_loss) -> StageModule:
+    """This rank's `StageModule`. Build (and tensor-parallelize) the full model first; the rest is dropped.
+    `loss_fn(logits, targets)` is what the last chunk scores: the SUM of the token losses, in fp32."""
+    check_partition(model.cfg, pp, virtual_stages)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
+    return StageModule(model, pp_rank, pp, virtual_stages, loss_fn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    loss: float  # Σ of the token losses of the step's micro-batches, the same on every pipeline rank
+    aux_loss: float = 0.0  # MoE balancing losses, summed over stages, mean over micro-batches
+    events: list[Event] = field(default_factory=list)  # this rank's actions, time.perf_counter() start/end
+    peak_activation_bytes: int = 0  # most bytes saved for backward alive at once (measure_memory=True)
+    peak_in_flight: int = 0  # most (micro-batch, chunk) forwards awaiting their backward at once
+
+
+class _SavedBytes:
+    """Counts the bytes of the tensors autograd saves for backward, per forward, excluding parameters."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.param_storages:
+            self.seen[key] = storage.nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def count(self):
+        self.seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield self
+
+
+class PipelineRunner:
+    """Runs one pipeline rank's action list for a step of `microbatches` micro-batches.
+
+    `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
+    are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
+    under bf16 autocast), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller reduces
+    them over data-parallel replicas, clips (`layout.clip_grad_norm_` over the tp and pp groups: each parameter's
+    placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
+    rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
+    the message can travel while the rank computes.
+    """
+
+    def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
+                 virtual_stages: int | None = None, *, activation_dtype: torch.dtype = torch.float32,
+                 activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+                 measure_memory: bool = False, with_aux: bool = False) -> None:
+        v = stage.virtual_stages if virtual_stages is None else virtual_stages
+        if v != stage.virtual_stages or comm.size != stage.pp or comm.rank != stage.pp_rank:
+            raise ValueError(f"the stage ({stage.pp_rank} of pp={stage.pp}, virtual_stages={stage.virtual_stages}) "
+                             f"does not match the runner (rank {comm.rank} of {comm.size}, virtual_stages={v})")
+        self.stage, self.comm = stage, comm
+        self.pp, self.microbatches, self.schedule = stage.pp, microbatches, schedule
+        schedules = build_schedule(schedule, stage.pp, microbatches, v)
+        self.actions: list[Action] = schedules[stage.pp_rank]
+        self.program: list[Planned] = p2p_program(schedules)[stage.pp_rank]
+        self.activation_dtype = activation_dtype
+        d_model = stage.cfg.d_model
+        self.activation_shape = activation_shape or (lambda tokens: (*tokens.shape, d_model))
+        self.saved = _SavedBytes(stage.parameters()) if measure_memory else None
+        self.with_aux = with_aux
+        if comm.size > 1:
+            # Under NCCL, a group's first operation creates its communicator, and a batch_isend_irecv may be that
+            # first operation only if every rank of the group joins it. A tiny collective first lifts the rule.
+            device = next(stage.parameters()).device
+            comm.all_reduce(torch.zeros(1, device=device))
+
+    # -- one step --------------------------------------------------------------------------------------------------
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None = None, *,
+             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
+        """Forward and backward every micro-batch (inputs, targets) by the schedule; return the step's stats.
+
+        Every pipeline rank passes the same micro-batches: chunk 0 reads the inputs, the last chunk the targets.
+        Every stage gets `positions[m]` for micro-batch m (default 0..T−1, T = the inputs' length; context
+        parallelism passes its shard's global positions), whatever shape its hidden states have.
+        Each micro-batch backpropagates `loss_fn(logits, targets) * loss_scale` (plus its MoE balancing losses / m);
+        pass loss_scale = data-parallel replicas / counted targets of the global batch, and divide the returned
+        `loss` (a sum) by that count. `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its
+        last runs inside it, so an overlapped data-parallel reduction starts during the last backward only.
+        """
+        if len(batches) != self.microbatches:
+            raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
+        return self._run(self.actions, self.program, batches, autocast, no_sync, loss_scale, positions)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 positions: list[torch.Tensor] | None = None) -> float:
+        """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
+        rank. Divide by the number of counted targets for the mean."""
+        schedules = forward_only(self.pp, len(batches), self.stage.virtual_stages)
+        rank = self.stage.pp_rank
+        return self._run(schedules[rank], p2p_program(schedules)[rank], batches, autocast, None, 1.0, positions).loss
+
+    def _run(self, actions: list[Action], program: list[Planned], batches: list[tuple[torch.Tensor, torch.Tensor]],
+             autocast: Callable[[], contextlib.AbstractContextManager],
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None,
+             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
+        stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
+        device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss sum on the last chunk)
+        aux: dict[tuple[int, int], torch.Tensor] = {}
+        out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        in_grads: dict[tuple[int, int], torch.Tensor] = {}
+        held: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per forward not yet backwarded
+        mailbox: dict[Message, torch.Tensor] = {}  # messages between chunks of this rank (pp=1)
+        wire = InFlight(self.comm, self.activation_dtype, device)
+        due: list[list[Post | Wait]] = [[] for _ in range(len(actions) + 1)]  # the program, by action index
+        for planned in program:
+            due[planned.at].append(planned.item)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=device)
+        stats = StepStats(loss=0.0)
+        live = 0
+        if positions is None:
+            positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
+
+        def outgoing(message: Message) -> torch.Tensor:
+            """The tensor a message carries: a chunk's output forward, the gradient of a chunk's input backward."""
+            if message.direction == F:
+                return outputs[(message.mb, message.chunk - 1)].detach()
+            return in_grads.pop((message.mb, message.chunk + 1))
+
+        def shape(message: Message) -> tuple[int, ...]:
+            return self.activation_shape(batches[message.mb][0])
+
+        def incoming(a: Action) -> torch.Tensor:
+            return mailbox.pop(message_of(a)) if p == 1 else wire.take(message_of(a))
+
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == B), default=-1)
+        for index, a in enumerate(actions):
+            for item in due[index]:  # this gap's batches: posting them is not the action's time
+                if isinstance(item, Post):
+                    wire.post(item, outgoing, shape)
+            start = time.perf_counter()
+            for item in due[index]:  # a RECV action waits for its message (the program puts posts first)
+                if isinstance(item, Wait):
+                    wire.wait(item.message)
+            key = (a.mb, a.chunk)
+            tokens, targets = batches[a.mb]
+            if a.kind == RECV_F:
+                inputs[key] = incoming(a).requires_grad_(torch.is_grad_enabled())
+            elif a.kind == F:
+                x = tokens if a.chunk == 0 else inputs[key]
+                with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
+                    out = stage.forward_chunk(a.chunk, x, positions[a.mb])
+                    if a.chunk == last:
+                        out = stage.loss_fn(out, targets)
+                    chunk_aux = stage.aux_loss(stage.layers[a.chunk]) if self.with_aux else None
+                outputs[key] = out
+                if chunk_aux is not None:
+                    aux_sum += chunk_aux.detach().float()
+                    if chunk_aux.requires_grad:  # a chunk of dense layers (or evaluate) has nothing to backward
+                        aux[key] = chunk_aux.float()
+                if a.chunk == last:
+                    loss_sum += out.detach().float()
+                held[key] = sum(self.saved.seen.values()) if self.saved else 0
+                live += held[key]
+                stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
+            elif a.kind == RECV_B:
+                out_grads[key] = incoming(a)
+            elif a.kind == B:
+                out = outputs.pop(key)
+                tensors = [out * loss_scale] if a.chunk == last else [out]
+                grads = [None] if a.chunk == last else [out_grads.pop(key)]
+                if key in aux:
+                    tensors.append(aux.pop(key) / len(batches))
+                    grads.append(None)
+                with no_sync() if no_sync is not None and index != last_backward else contextlib.nullcontext():
+                    torch.autograd.backward(tensors, grads)
+                if a.chunk > 0:
+                    in_grads[key] = inputs.pop(key).grad
+                live -= held.pop(key)
+            elif a.kind in (SEND_F, SEND_B) and p == 1:  # the next chunk is on this rank: hand it over
+                mailbox[message_of(a)] = outgoing(message_of(a)).clone()
+            stats.events.append(Event(stage.pp_rank, a, start, time.perf_counter()))
+        for item in due[len(actions)]:  # the sends still in flight
+            wire.wait(item.message)
+        # One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses.
+        totals = torch.stack([loss_sum, aux_sum / len(batches)])
+        if p > 1:
+            self.comm.all_reduce(totals)
+        stats.loss, stats.aux_loss = totals[0].item(), totals[1].item()
+        return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring schedules (notebook 09, benchmarks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], batch_size: int, seq_len: int,
+                     steps: int = 2, seed: int = 0, measure_memory: bool = True) -> list[dict]:
+    """Rank function for `run_ranks(profile_pipeline, pp, ...)`: run schedules on random tokens, no optimizer.
+
+    For each (schedule, microbatches, virtual_stages) in `runs`: partition a model built from (cfg, seed), run
+    `steps` steps (all ranks start each step after a barrier) and return a dict with `events`, one list per step
+    (time.perf_counter(), one clock for all processes of a machine), the last step's `loss` (mean over tokens),
+    `peak_activation_bytes`, `peak_in_flight`, `send_bytes` (point to point, from the ledger) and the first step's
+    gradients by name (`grads`).
+    """
+    from minidist.comm.topology import ParallelDims, Topology
+    from minidist.model.transformer import build_model
+
+    topo = Topology(ParallelDims(pp=dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
+    targets = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
+    results = []
+    for schedule, m, v in runs:
+        stage = partition_model(build_model(cfg, seed), topo.coord("pp"), topo.size("pp"), v)
+        ledger = Ledger()
+        runner = PipelineRunner(stage, topo.comm("pp", ledger), schedule, m, v, measure_memory=measure_memory)
+        batches = list(zip(inputs.chunk(m), targets.chunk(m)))
+        events = []
+        for step in range(steps):
+            stage.zero_grad(set_to_none=True)
+            ledger.reset()
+            dist.barrier()
+            stats = runner.step(batches, loss_scale=1.0 / targets.numel())  # no ignored targets
+            events.append(stats.events)
+            if step == 0:
+                grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
+        results.append({"schedule": schedule, "microbatches": m, "virtual_stages": v, "events": events,
+                        "loss": stats.loss / targets.numel(), "peak_activation_bytes": stats.peak_activation_bytes,
+                        "peak_in_flight": stats.peak_in_flight, "grads": grads,
+                        "send_bytes": ledger.bytes("send", "pp")})
+    return results

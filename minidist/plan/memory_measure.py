@@ -1,0 +1,99 @@
+"""What a rank really holds, measured by tensor accounting, to check the memory model (`memory_estimate`) against.
+
+A CPU has no allocator counter like `torch.cuda.memory_allocated`, and its resident set size is dominated by the
+interpreter and torch itself, so the bytes are counted from the tensors:
+
+* model states: the distinct storages of the parameters, the gradients (a data-parallel bucket or a ZeRO shard once,
+  however many views of it there are) and the optimizer's state, after one optimizer step (so the moments exist)
+  and a second forward and backward (so the gradients do);
+* activations: `memory.PeakSavedBytes` around the second step's forward and backward: the most bytes saved for the
+  backward alive at once, over all the micro-batches a schedule keeps in flight.
+
+`measure_layouts` is a rank function for `minidist.comm.launch.run_ranks`: every rank runs every case and returns its
+own figures with its grid coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minidist.comm.topology import ParallelDims, Topology
+from minidist.memory import PeakSavedBytes, apply_recompute
+from minidist.model import ModelConfig, build_model
+from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel.dp.data_parallel import split_batch
+from minidist.parallel.dp.zero_bytes import storage_bytes
+from minidist.train.optim import build_optimizer
+
+
+def _engines(parallel: Any) -> list[Any]:
+    """The objects that hold gradient buffers, parameter shards and sharded optimizers: a DataParallel or a
+    ZeroOptimizer, or with expert parallelism one of those per replica group."""
+    if parallel.experts is not None:
+        return list(parallel.experts.engines)
+    return [e for e in (parallel.zero, parallel.grad_sync) if e is not None]
+
+
+def measure_model_states(parallel: Any) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and optimizer state (distinct storages; not the optimizer's 0-d
+    step counters, 4 bytes per parameter tensor, which the memory model leaves out)."""
+    params = [p.data for p in parallel.model.parameters()]
+    grads = [p.grad for p in parallel.model.parameters()]
+    optimizers = [parallel.optimizer]
+    for engine in _engines(parallel):
+        home = getattr(engine, "params", None)
+        params += home.buffers() if hasattr(home, "buffers") else []
+        for bucket in getattr(engine, "buckets", []):
+            grads += [getattr(bucket, "grad", None), getattr(bucket, "grad_shard", None)]
+        optimizers.append(getattr(engine, "optimizer", None))
+    states = [v for opt in optimizers if isinstance(getattr(opt, "state", None), dict)
+              for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"]
+    return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+
+
+def random_batch(cfg: ModelConfig, seq_len: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (inputs, targets) every case of a measurement trains on: the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+    return inputs, torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
+
+
+def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Tensor], seed: int
+               ) -> tuple[Any, Topology, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """One case {"dims": ParallelDims fields, "options": ParallelOptions fields, "recompute": bool} on this rank:
+    (the parallelized model, its topology, this rank's micro-batches of `data`, the model's buffers)."""
+    dims = ParallelDims(**case["dims"])
+    options = ParallelOptions(**case.get("options", {}))
+    topo = Topology(dims, dist.get_rank(), dist.get_world_size())
+    model = build_model(cfg, seed=seed)
+    if case.get("recompute"):
+        apply_recompute(model)
+    buffers = list(model.buffers())
+    parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
+    batches = split_batch(*data, topo.coord("dp"), dims.dp, options.microbatches)
+    return parallel, topo, batches, buffers
+
+
+def measure_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch: int, seed: int = 0) -> list[dict]:
+    """Rank function: for each case {"label", "dims": ParallelDims fields, "options": ParallelOptions fields,
+    "recompute": bool}, build the layout, take one step and measure the next; return this rank's bytes by part
+    (params, grads, optimizer, activations) with its coordinates (pp, tp, dp, cp, ep) per case."""
+    data = random_batch(cfg, seq_len, global_batch, seed)
+    results = []
+    for case in cases:
+        parallel, topo, batches, buffers = build_case(cfg, case, data, seed)
+        parallel.forward_backward(batches)
+        parallel.clip_grad_norm_(0.0)
+        parallel.step()
+        with PeakSavedBytes(params=list(parallel.model.parameters()), exclude=buffers) as saved:
+            parallel.forward_backward(batches)
+        parallel.grad_pieces()  # the gradient reduction finished: shards and buckets hold their final bytes
+        out = measure_model_states(parallel)
+        out["activations"] = saved.peak
+        out.update(label=case["label"], coords={n: topo.coord(n) for n in ("pp", "dp", "cp", "tp", "ep")})
+        results.append(out)
+        dist.barrier()
+    return results

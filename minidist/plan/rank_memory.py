@@ -1,0 +1,283 @@
+"""The memory model per rank: bytes of parameters, gradients, optimizer state and activations for any model and
+layout, from the formulas the chapters derived (chapter 12; checked against `memory_measure` on the CPU).
+
+* Parameters per rank (`rank_params`): chapter 08's shards (attention heads, the feed-forward, the vocabulary split
+  over tp; norms and MLA's latent down-projections replicated; MoE layers whole on every tp rank, as the trainer
+  runs them), chapter 09's stages (`pipeline.chunk_layers`; the embedding on the first stage, the final norm and
+  the head on the last), chapter 11's expert blocks (n_experts / ep per rank).
+* Model states (Rajbhandari et al. 2020, "ZeRO", §5): P + G + K bytes per parameter (`Precision`), the optimizer
+  state sharded over the replicas from stage 1, gradients from stage 2, parameters at stage 3. Dense parameters
+  are replicated over dp·cp, expert blocks over edp = dp·cp / ep (chapter 11).
+* Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4-5):
+  `memory_model.activation_bytes_per_layer` for the course's Llama block, per micro-batch of b sequences and
+  s/cp tokens each (chapter 10), the attention and feed-forward tensors divided by tp, the norms too under
+  sequence parallelism (whose column-parallel linears then save their gathered input); MoE and MLA layers tensor
+  by tensor below; the head: the final norm, the log-softmax of the (vocab-split) logits. Under full recomputation
+  (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`. A
+  pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
+  schedule itself (`schedules.build_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09).
+
+Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
+padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's
+rounding and fragmentation, CUDA/NCCL workspaces, RoPE tables, the imbalance of routed tokens (the model assumes
+every expert gets its share; a real router does not), the temporary tensors of a backward. Checked to within
+`TOLERANCE` of measured bytes on the CPU (tests/test_memory_estimate.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
+from minidist.memory_model import activation_bytes_per_layer
+from minidist.model.config import ModelConfig
+from minidist.parallel.pp.pipeline import chunk_layers
+from minidist.parallel.pp.schedules import F, build_schedule, rank_chunks
+
+TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space: the degrees of the five dimensions and how each is run."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    virtual_stages: int = 1
+    recompute: str = "none"  # "none" or "full"
+    sp: bool = False
+    schedule: str = "1f1b"
+    cp_impl: str = "ring"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sp_degree(self) -> int:
+        """What sequence parallelism splits the tokens outside the tp regions over: tp when on, else 1."""
+        return self.tp if self.sp and self.tp > 1 else 1
+
+    @property
+    def replicas(self) -> dict[str, int]:
+        """How many ranks hold a copy of each kind of parameter: dense over dp·cp, experts over edp = dp·cp / ep."""
+        return {"dense": self.dp * self.cp, "experts": self.dp * self.cp // self.ep}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of the weights, gradients and optimizer state (master copy included), per activation
+    element, and per element of the residual stream between blocks."""
+
+    param: int
+    grad: int
+    optimizer: int
+    activation: int
+    residual: int
+
+
+# The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
+FP32 = Precision(param=4, grad=4, optimizer=8, activation=4, residual=4)
+# Mixed precision as in ZeRO §3.1 and Megatron-LM: bf16 weights and gradients, fp32 master copy and moments.
+BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    recompute_transient: float = 0.0  # the block recomputed in the backward (full recompute), on top of the rest
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    """The layer indices pipeline rank `stage` holds (all its chunks)."""
+    chunks = chunk_layers(n_layers, pp, virtual_stages)
+    return tuple(i for c in rank_chunks(stage, pp, virtual_stages) for i in chunks[c])
+
+
+def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) pipeline rank `stage` holds."""
+    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages, stage)
+
+
+def _first_moe_layer(cfg: ModelConfig) -> int:
+    """The index of the first MoE block (n_layers for a dense model)."""
+    return cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
+
+
+def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
+    one whose per-block communication sets the pace."""
+    return max((stage_kinds(cfg, pp, virtual_stages, s) for s in range(pp)), key=lambda k: (sum(k), k[1]))
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    layers = _stage_layers(n_layers, pp, virtual_stages, stage)
+    moe = sum(i >= first_moe for i in layers)
+    return len(layers) - moe, moe
+
+
+def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
+    """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO)."""
+    tp = layout.tp
+    attn, attn_extra = _attention_weights(cfg)
+    if cfg.attention == "mla":  # the latent down-projections are replicated over tp, the rest split by heads
+        m, d = cfg.mla, cfg.d_model
+        latent = d * (m.kv_lora_rank + m.qk_rope_head_dim) + (d * m.q_lora_rank if m.q_lora_rank else 0)
+        attn_local = latent + (attn - latent) // tp + attn_extra
+    else:
+        attn_local = attn // tp + attn_extra // tp
+    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
+    experts = 0
+    if n_moe:
+        moe, d = cfg.moe, cfg.d_model
+        d_expert = moe.d_expert or cfg.d_ff
+        dense += n_moe * (d * moe.n_experts + 3 * d * d_expert * moe.n_shared_experts)  # router, shared experts
+        experts = n_moe * (3 * d * d_expert * moe.n_experts // layout.ep)
+    w, b = _dense_mlp(cfg)
+    dense += n_dense * ((w + b) // tp)
+    if stage == 0:
+        dense += cfg.vocab_size * cfg.d_model // tp
+    if stage == layout.pp - 1:
+        dense += cfg.d_model + (0 if cfg.tie_embeddings and layout.pp == 1 else cfg.vocab_size * cfg.d_model // tp)
+    return {"dense": dense, "experts": experts}
+
+
+def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = FP32,
+                      stage: int = 0) -> dict[str, float]:
+    """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group."""
+    counts = rank_params(cfg, layout, stage)
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for kind, n in counts.items():
+        r = layout.replicas[kind]
+        out["params"] += precision.param * n / (r if layout.zero >= 3 else 1)
+        out["grads"] += precision.grad * n / (r if layout.zero >= 2 else 1)
+        out["optimizer"] += precision.optimizer * n / (r if layout.zero >= 1 else 1)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, stage: int = 0) -> int:
+    """The most (micro-batch, chunk) forwards whose backward has not run yet, on pipeline rank `stage`."""
+    if pp == 1:
+        return 1  # micro-batches run one after the other: one forward's activations at a time
+    if schedule == "afab":
+        return microbatches * virtual_stages
+    if schedule == "1f1b":
+        return min(microbatches, pp - stage)
+    live = peak = 0
+    for action in build_schedule(schedule, pp, microbatches, virtual_stages)[stage]:
+        if action.kind in ("F", "B"):
+            live += 1 if action.kind == F else -1
+            peak = max(peak, live)
+    return peak
+
+
+def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1) -> float:
+    # RMSNorm: its fp32 input, 1/rms, the normalized tensor; its output counted by the caller (a linear's input).
+    return (4 * n * dim + 4 * n + p * n * dim) / sp_tp
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int) -> float:
+    """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each)."""
+    tp, d = layout.tp, cfg.d_model
+    n = tokens
+    sp = layout.sp_degree
+    # Each region (attention, feed-forward) starts with a norm; its output is the region's input, which the first
+    # linears save: whole (no SP), or gathered over the sequence (SP): p·n·d either way.
+    norms = 2 * (_norm_bytes(n, d, p, sp) + p * n * d)
+    if cfg.attention == "mla":
+        m, h = cfg.mla, cfg.n_heads // tp
+        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        latents = _norm_bytes(n, m.kv_lora_rank, p) + p * n * m.kv_lora_rank  # the latent, normed, into wkv_b
+        if m.q_lora_rank:
+            latents += _norm_bytes(n, m.q_lora_rank, p) + p * n * m.q_lora_rank
+        # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo; fp32 log-sum-exp
+        attention = latents + p * n * h * (3 * d_qk + 3 * d_v) + 4 * n * h
+    else:
+        kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
+        q = cfg.n_heads // tp * cfg.head_dim
+        attention = p * n * (3 * q + 2 * kv) + 4 * n * cfg.n_heads // tp
+        if layout.cp_impl == "allgather" and layout.cp > 1:  # keys and values of the whole sequence are kept
+            attention += 2 * p * n * kv * (layout.cp - 1)
+    if _is_moe_layer(cfg, layer):
+        moe = cfg.moe
+        k, e, d_expert = moe.top_k, moe.n_experts, moe.d_expert or cfg.d_ff
+        slots = n * k  # rows through the experts, balanced over ep ranks: n·k per rank on average
+        # fp32 scores and logits (the z-loss), chosen indices, chosen and per-slot gates, two per-token sums
+        router = 4 * n * e * 2 + n * k * (8 + 4 + 4) + 8 * n
+        # the gathered rows, the experts' outputs and the gated ones (index_add keeps its source), two indices
+        rows = 3 * p * slots * d + 8 * slots * 2
+        experts = 4 * p * slots * d_expert
+        shared = 4 * p * n * d_expert * moe.n_shared_experts
+        mlp = router + rows + experts + shared
+    else:
+        mlp = 4 * p * n * cfg.d_ff // tp
+    return norms + attention + mlp
+
+
+def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
+    """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
+    sp = layout.sp_degree
+    return _norm_bytes(tokens, cfg.d_model, p, sp) + p * tokens * cfg.d_model + \
+        4 * tokens * cfg.vocab_size / layout.tp + 8 * tokens
+
+
+def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
+                     stage: int = 0) -> tuple[float, float]:
+    """(activations held at the worst moment of a step, the recomputed block's transient) for pipeline rank
+    `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
+    p = precision.activation
+    tokens = micro_batch * seq_len // layout.cp
+    # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
+    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    first_moe = _first_moe_layer(cfg)
+    per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
+                for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
+    sp = layout.sp_degree
+    if layout.recompute == "full":
+        kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
+        transient = max(b for _, b in per_kind)
+    else:
+        kept, transient = sum(n * b for n, b in per_kind), 0.0
+    last = stage == layout.pp - 1
+    one_chunk_pass = kept / layout.virtual_stages
+    in_flight = chunks_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, stage)
+    total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
+    if stage == 0:
+        total += 8 * tokens  # the embedding's token indices
+    return total, transient
+
+
+def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
+                    stage: int | None = None) -> MemoryEstimate:
+    """Bytes per rank of pipeline stage `stage` (None: the stage with the largest total, the first or the last:
+    the first holds the most layers (`chunk_layers` gives earlier chunks the extra ones), the embedding and the
+    most micro-batches in flight; the last holds the head)."""
+    if stage is None:
+        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.pp - 1}]
+        return max(stages, key=lambda e: e.total)
+    states = model_state_bytes(cfg, layout, precision, stage)
+    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)
+    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient)
+
+
+def check_against_one_block(cfg: ModelConfig, seq_len: int, batch: int, dtype_bytes: int) -> bool:
+    """The dense GQA block here equals chapter 01's tensor-by-tensor count (`activation_bytes_per_layer`)."""
+    mine = layer_activation_bytes(cfg, 0, seq_len * batch, Layout(), dtype_bytes)
+    return mine == activation_bytes_per_layer(cfg, seq_len, batch, dtype_bytes)["total"]

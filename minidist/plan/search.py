@@ -1,0 +1,269 @@
+"""The layout planner: `python -m minidist.plan --model llama3-405b --gpus 16384 --seq-len 8192
+--global-batch-tokens 16M` lists the layouts that fit the chip's memory, fastest predicted first (chapter 12).
+
+It searches the degrees dp, tp, pp, cp, ep (dp·tp·pp·cp = the GPUs; ep carved out of dp·cp), the ZeRO stage, the
+number of micro-batches, the virtual stages of the interleaved schedule and full recomputation. Memory per rank
+is `memory_estimate` (bf16 mixed precision: 2 + 2 + 12 bytes per parameter); step time is `plan_cost` (FLOPs at a
+stated fraction of the peak, the α-β model per dimension over NVLink or the network, the bubble, what overlaps).
+The rules that bound the search (each refused layout is counted with its reason):
+
+* tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
+  whenever tp > 1 (the same bytes as plain TP, less activation memory);
+* cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
+  per rank; pp ≤ layers, the interleaved schedule
+  needs layers divisible by pp·v and micro-batches ≥ pp;
+* dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
+  (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
+  fit are never faster, so the search stops there;
+* ep divides dp·cp and the number of experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import typing
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from minidist.flops import count_params
+from minidist.hardware import CHIP_LINKS, GIB
+from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
+from minidist.plan.rank_memory import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
+from minidist.plan.step_time import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
+from minidist.train.config import OneLineParser
+
+# Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
+# cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
+MIN_CP_TOKENS = 1024
+JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "virtual_stages", "recompute", "mem_gib", "step_s")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime
+
+    def row(self) -> dict:
+        values = {**dataclasses.asdict(self.layout), "mem_gib": round(self.memory.total / GIB, 2),
+                  "step_s": round(self.time.total, 4)}
+        return {key: values[key] for key in JSON_KEYS}
+
+
+@dataclass
+class Plan:
+    feasible: list[Candidate]  # fastest first
+    rejected: list[Candidate]  # over the memory budget, fastest first
+    refused: Counter = field(default_factory=Counter)  # reasons a point of the grid is not a layout, with counts
+    budget: float = 0.0  # usable bytes per chip
+
+
+def parse_tokens(text: str) -> int:
+    """'4M' -> 4,194,304: K, M, G are powers of two (2^10, 2^20, 2^30); a plain integer is taken as it is."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    raw = text.strip().upper().replace(",", "").replace("_", "")
+    scale = units.get(raw[-1:], 1)
+    digits = raw[:-1] if raw[-1:] in units else raw
+    if not digits.isdigit() or int(digits) < 1:
+        raise ValueError(f"--global-batch-tokens {text!r} is not a positive whole number of tokens "
+                         "(e.g. 4194304, 4096K or 4M; K/M/G are powers of two)")
+    return int(digits) * scale
+
+
+def global_batch_sequences(tokens: int, seq_len: int) -> int:
+    """Sequences in a global batch of `tokens` tokens; a one-line error when seq_len does not divide it."""
+    if seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
+    if tokens % seq_len:
+        low = tokens // seq_len * seq_len
+        fits = f"{low:,} ({low // seq_len} sequences) or " if low else ""
+        raise ValueError(f"--global-batch-tokens {tokens:,} is not a multiple of --seq-len {seq_len}; "
+                         f"{fits}{low + seq_len:,} ({low // seq_len + 1} sequences) would fit")
+    return tokens // seq_len
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, cluster: Cluster,
+                      refused: Counter) -> typing.Iterator[Layout]:
+    """Every layout of the search space that the rules admit; refused grid points are counted by reason."""
+    experts = cfg.moe.n_experts
+    for tp, cp in itertools.product(_divisors(gpus), _divisors(gpus)):
+        if gpus % (tp * cp):
+            continue
+        if tp > 1 and (cfg.n_heads % tp or tp > cluster.gpus_per_node):
+            refused[f"tp={tp}: must divide {cfg.n_heads} heads and fit a node of {cluster.gpus_per_node}"] += 1
+            continue
+        if cp > 1 and seq_len % (2 * cp):
+            refused[f"cp={cp}: the {seq_len}-token sequence does not split into 2·cp chunks"] += 1
+            continue
+        if cp > 1 and seq_len // cp < MIN_CP_TOKENS:
+            refused[f"cp={cp}: fewer than {MIN_CP_TOKENS} tokens of each sequence per rank"] += 1
+            continue
+        for pp in _divisors(gpus // (tp * cp)):
+            dp = gpus // (tp * cp * pp)
+            if pp > cfg.n_layers:
+                refused[f"pp={pp}: more stages than the {cfg.n_layers} layers"] += 1
+                continue
+            if sequences % dp:
+                refused[f"dp={dp}: the global batch of {sequences} sequences does not split over it"] += 1
+                continue
+            eps = [e for e in _divisors(math.gcd(dp * cp, experts))] if experts else [1]
+            per_replica = sequences // dp
+            # Fewer micro-batches than stages would leave every stage idle for over half the step.
+            micro = [m for m in _divisors(per_replica) if m >= pp or m == per_replica]
+            if len(micro) < len(_divisors(per_replica)):
+                refused[f"pp={pp}: fewer micro-batches than stages (bubble over half the step)"] += 1
+            for ep, zero, m, recompute in itertools.product(eps, range(4), micro, ("none", "full")):
+                virtual = [1] + [v for v in (2, 4, 8) if pp > 1 and m >= pp and cfg.n_layers % (pp * v) == 0]
+                for v in virtual:
+                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatches=m, virtual_stages=v,
+                                 recompute=recompute, sp=tp > 1, schedule="interleaved" if v > 1 else "1f1b")
+
+
+def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
+           precision: Precision = BF16_MIXED) -> Plan:
+    """Every admitted layout with its memory and predicted step time, split by whether it fits the chip."""
+    sequences = global_batch_sequences(global_tokens, seq_len)
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    refused: Counter = Counter()
+    budget = cluster.memory_bytes * cluster.usable_memory
+    feasible, rejected = [], []
+    per_token = token_flops(cfg, seq_len)
+    fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
+    for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
+        others = dataclasses.replace(layout, microbatches=1)
+        if layout.pp == 1 and fits_with.get(others, layout.microbatches) < layout.microbatches:
+            # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
+            # communicates per micro-batch): never faster, so not evaluated.
+            continue
+        micro_batch = sequences // (layout.dp * layout.microbatches)
+        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
+        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token)
+        fits = memory.total <= budget
+        (feasible if fits else rejected).append(Candidate(layout, memory, time))
+        if fits and layout.pp == 1:
+            fits_with.setdefault(others, layout.microbatches)
+    feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
+    rejected.sort(key=lambda c: (c.time.total, c.memory.total))
+    return Plan(feasible, rejected, refused, budget)
+
+
+def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
+    """The place (1 = fastest) of the fastest feasible layout with these degrees (e.g. dp=128, tp=8, pp=16) and
+    that layout; (None, the fastest rejected one) when none fits; (None, None) when the search has none."""
+    def match(c: Candidate) -> bool:
+        return all(getattr(c.layout, k) == v for k, v in degrees.items())
+    for i, c in enumerate(plan.feasible, 1):
+        if match(c):
+            return i, c
+    return None, next((c for c in plan.rejected if match(c)), None)
+
+
+def why_rejected(candidate: Candidate, budget: float) -> str:
+    """One line: how far over the memory budget a layout is, and what fills it."""
+    mem = candidate.memory
+    parts = ", ".join(f"{name} {getattr(mem, name) / GIB:.1f}" for name in
+                      ("params", "grads", "optimizer", "activations", "recompute_transient") if getattr(mem, name))
+    return f"needs {mem.total / GIB:.1f} GiB > {budget / GIB:.1f} GiB usable ({parts} GiB)"
+
+
+def describe_layout(lay: Layout) -> str:
+    text = f"dp {lay.dp} tp {lay.tp} pp {lay.pp} cp {lay.cp} ep {lay.ep} zero {lay.zero} m {lay.microbatches}"
+    return text + (f" v {lay.virtual_stages}" if lay.virtual_stages > 1 else "") + \
+        (" recompute" if lay.recompute == "full" else "")
+
+
+def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int,
+                cluster: Cluster, top: int) -> str:
+    """The report `python -m minidist.plan` prints."""
+    lines = [f"{cfg_name}: {count_params(cfg) / 1e9:.1f}B parameters on {gpus} x {cluster.name} "
+             f"({cluster.gpus_per_node} per node, {cluster.memory_bytes / GIB:.0f} GiB, "
+             f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
+             f"compute at {cluster.efficiency:.0%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak; links: "
+             f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
+             "master and AdamW moments",
+             f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
+             "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'m':>4} {'v':>2} "
+             f"{'recomp':>6} {'GiB':>7} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} {'ep':>6} "
+             f"{'pp':>6} {'dp':>6} {'hidden':>7}"]
+    for i, c in enumerate(plan.feasible[:top], 1):
+        lay, t = c.layout, c.time
+        lines.append(f"{i:>3} {lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {lay.zero:>4} "
+                     f"{lay.microbatches:>4} {lay.virtual_stages:>2} {lay.recompute:>6} {c.memory.total / GIB:>7.1f} "
+                     f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
+                     f"{t.pp:>6.3f} {t.dp:>6.3f} {t.hidden:>7.3f}")
+    if not plan.feasible:
+        lines.append("  (none fits: more GPUs, a shorter sequence or a smaller batch per replica)")
+    lines.append("times in seconds per step; tp, cp, ep, pp, dp are exposed communication, hidden is the part that "
+                 "overlaps compute; step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
+    faster, seen = [], set()
+    for c in plan.rejected:  # the fastest of each grid shape: three different reasons, not one reason thrice
+        shape = (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.ep)
+        if shape not in seen and len(faster) < 3:
+            seen.add(shape)
+            faster.append(c)
+    if faster:
+        lines += ["", "the fastest layouts that do not fit, and why:"]
+        lines += [f"  {describe_layout(c.layout)}: {c.time.total:.3f} s, {why_rejected(c, plan.budget)}"
+                  for c in faster]
+    if plan.refused:
+        lines += ["", "not layouts (counted over the grid):"]
+        lines += [f"  {reason} ({n}x)" for reason, n in plan.refused.most_common(4)]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    presets = sorted(ALL_PRESETS)
+    parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
+                     epilog="Memory: minidist/plan/rank_memory.py; time: minidist/plan/step_time.py (what each leaves "
+                            "out is in its docstring). K, M, G are powers of two: 4M = 4,194,304 = 512 x 8192.")
+    parser.add_argument("--model", default="llama3-8b", metavar="PRESET", help=f"model preset: {', '.join(presets)}")
+    parser.add_argument("--gpus", type=int, default=8, help="number of GPUs (default: 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink in one node (default: 8)")
+    parser.add_argument("--gpu", default="H100-SXM", metavar="CHIP",
+                        help=f"chip: {', '.join(sorted(CHIP_LINKS))} (default: H100-SXM)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--global-batch-tokens", default="4M", metavar="B",
+                        help="tokens per optimizer step, e.g. 4M (default: 4M = 4,194,304)")
+    parser.add_argument("--top", type=int, default=10, metavar="K", help="layouts to list (default: 10)")
+    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                        help=f"fraction of the bf16 peak the matmuls reach (default: {DEFAULT_EFFICIENCY})")
+    parser.add_argument("--json", action="store_true", help=f"print a JSON list of the top K, keys: "
+                        f"{', '.join(JSON_KEYS)}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = get_preset(args.model)
+        if args.gpu not in CHIP_LINKS:
+            raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {sorted(CHIP_LINKS)}")
+        for name in ("gpus", "gpus_per_node", "top"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        seq_len = args.seq_len or cfg.max_seq_len
+        tokens = parse_tokens(args.global_batch_tokens)
+        cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
+        plan = search(cfg, args.gpus, seq_len, tokens, cluster)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([c.row() for c in plan.feasible[:args.top]]))
+    else:
+        print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, args.top))
+    return 0
+

@@ -1,0 +1,188 @@
+"""Predicted step time of a layout (chapter 12): compute from FLOPs, communication from the α-β model per
+dimension, the pipeline bubble, and which communication hides behind compute.
+
+* Compute: the model FLOPs of a step (`flops.mfu_flops_per_token`: 6·N_active + causal attention; full
+  recomputation adds one more forward of the blocks) split evenly over the ranks, at `Cluster.efficiency` of the
+  chip's dense peak. MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by tp.
+* Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
+  its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
+  tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
+  cp, tp·ep for ep, tp·cp·dp for dp; NVLink when that span fits a node, the network (one port per GPU) when not.
+    tp   2 all-reduces (sequence parallel: reduce-scatter + all-gather, the same bytes) per dense block forward,
+         2 backward, 2 more when the forward is recomputed; one region in an MoE block (attention)   exposed
+    cp   ring: cp−1 sends of this rank's K and V per block forward, twice that backward; overlapped with the
+         attention's own compute (chapter 10), only the excess is exposed
+    ep   dispatch + combine all-to-all per MoE block, forward and backward (+ forward again if recomputed)  exposed
+    pp   one activation per micro-batch and chunk boundary forward, one gradient backward               exposed
+    dp   gradients over dp·cp (dense) and edp (experts), ZeRO's collectives (`zero_bytes.zero_comm_bytes`):
+         the reduction overlaps the backward it follows (the last micro-batch's, every one's from ZeRO-2),
+         ZeRO-3's parameter gathers overlap the compute; the parameter all-gather after the step is exposed
+* Pipeline: the exposed per-micro-batch work stretches by the bubble, busy / (1 − bubble), with
+  `schedules.bubble_formula` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1)).
+
+    step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
+
+Left out: the stages' imbalance (uneven layers, the head on the last stage), kernels' efficiency by shape, the
+network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minidist.flops import PEAK_FLOPS_BF16, _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
+from minidist.hardware import CHIP_LINKS, CHIP_MEMORY, LINKS, Link, collective_time
+from minidist.model.config import ModelConfig
+from minidist.parallel.cp.traffic import attention_dims
+from minidist.parallel.pp.schedules import bubble_formula
+from minidist.plan.rank_memory import Layout, Precision, busiest_stage_kinds, rank_params
+
+DEFAULT_EFFICIENCY = 0.5  # fraction of the dense peak a large training matmul reaches (MFU ~40% once comm is in)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine a layout runs on: one chip's peak FLOP/s and memory, nodes of `gpus_per_node` chips."""
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    efficiency: float = DEFAULT_EFFICIENCY
+    usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
+
+    def link(self, span: int) -> Link:
+        """The link a group crosses when its members lie within `span` consecutive ranks."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+
+def cluster_for_chip(chip: str, gpus_per_node: int = 8, efficiency: float = DEFAULT_EFFICIENCY) -> Cluster:
+    """A cluster of `chip` (a key of `flops.PEAK_FLOPS_BF16` with a link table entry), one network port per GPU."""
+    if chip not in CHIP_LINKS:
+        raise ValueError(f"no link and memory figures for chip {chip!r}; choose one of {sorted(CHIP_LINKS)}")
+    intra, inter = CHIP_LINKS[chip]
+    return Cluster(chip, PEAK_FLOPS_BF16[chip], CHIP_MEMORY[chip], gpus_per_node, LINKS[intra], LINKS[inter],
+                   efficiency)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on one rank, by part; `total` is the prediction."""
+
+    compute: float
+    bubble: float  # the idle fraction of the pipelined part
+    tp: float
+    cp: float  # exposed
+    ep: float
+    pp: float
+    dp: float  # exposed
+    hidden: float  # communication overlapped with compute (not in total)
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp + self.cp + self.ep + self.pp) / (1 - self.bubble) + self.dp
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """Training FLOPs per token of a model at one sequence length: all of them, the MoE layers', the head's, and
+    the attention scores' and values' (causal)."""
+
+    total: float
+    moe: float
+    head: float
+    attention: float
+
+
+def token_flops(cfg: ModelConfig, seq_len: int) -> TokenFlops:
+    moe_layers = sum(_is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    return TokenFlops(mfu_flops_per_token(cfg, seq_len),
+                      6.0 * moe_layers * _moe_mlp(cfg, active_only=True) if moe_layers else 0.0,
+                      6.0 * cfg.d_model * cfg.vocab_size, attention_flops_per_token(cfg, seq_len, causal=True))
+
+
+def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                        per_token: TokenFlops | None = None) -> tuple[float, float]:
+    """(FLOPs one rank computes per step, of which attention scores and values): the step's model FLOPs (plus
+    the recomputed forward) over the ranks; MoE layers' FLOPs are repeated on every tp rank."""
+    f = per_token or token_flops(cfg, seq_len)
+    total, moe, attention = f.total, f.moe, f.attention
+    if layout.recompute == "full":
+        total += (total - f.head) / 3  # one more forward of the blocks: a third of their training FLOPs
+        moe *= 4 / 3
+        attention *= 4 / 3
+    split = (total - moe) / layout.tp + moe
+    tokens = global_batch * seq_len / (layout.dp * layout.cp * layout.pp)  # one pipeline stage's share of a replica
+    return split * tokens, attention / layout.tp * tokens
+
+
+def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
+                 precision: Precision, per_token: TokenFlops | None = None) -> StepTime:
+    """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster`."""
+    rate = cluster.peak_flops * cluster.efficiency
+    flops, attention_flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
+    compute = flops / rate
+    m, v, p = layout.microbatches, layout.virtual_stages, precision.activation
+    b = global_batch // (layout.dp * m)  # sequences per micro-batch
+    tokens = b * seq_len // layout.cp  # per rank and micro-batch
+    dense_layers, moe_layers = busiest_stage_kinds(cfg, layout.pp, v)
+    n_layers = dense_layers + moe_layers
+    again = 1 if layout.recompute == "full" else 0
+
+    act = tokens * cfg.d_model * p
+    tp = 0.0
+    if layout.tp > 1:
+        calls = (2 * dense_layers + moe_layers) * (2 + again)
+        tp = m * calls * collective_time("all_reduce", act, layout.tp, cluster.link(layout.tp))
+    cp_exposed = cp_hidden = 0.0
+    if layout.cp > 1:
+        d_qk, d_v = attention_dims(cfg)
+        kv_heads = cfg.n_heads if cfg.attention == "mla" else max(cfg.n_kv_heads // layout.tp, 1)
+        kv = tokens * kv_heads * (d_qk + d_v) * p
+        one = (layout.cp - 1) * collective_time("send", kv, 2, cluster.link(layout.tp * layout.cp))
+        cp = m * n_layers * one * (3 + again)
+        cp_exposed = max(0.0, cp - attention_flops / rate)
+        cp_hidden = cp - cp_exposed
+    ep = 0.0
+    if layout.ep > 1 and moe_layers:
+        rows = tokens * cfg.moe.top_k * cfg.d_model * p
+        ep = m * moe_layers * (4 + 2 * again) * collective_time("all_to_all", rows, layout.ep,
+                                                                 cluster.link(layout.tp * layout.ep))
+    pp = 0.0
+    if layout.pp > 1:
+        sp = layout.sp_degree
+        span = 2 * layout.tp * layout.cp * layout.dp
+        pp = 2 * m * v * collective_time("send", act / sp, 2, cluster.link(span))
+    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
+    bubble = bubble_formula(layout.schedule, layout.pp, m, v) if layout.pp > 1 else 0.0
+    return StepTime(compute, bubble, tp, cp_exposed, ep, pp, dp_exposed, dp_hidden + cp_hidden)
+
+
+def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
+                        compute: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups."""
+    counts = rank_params(cfg, layout, 0)
+    span = layout.tp * layout.cp * layout.dp
+    groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
+    m, backward = layout.microbatches, 2 * compute / 3
+    overlappable = exposed = 0.0
+    for n, size in groups:
+        if size == 1 or n == 0:
+            continue
+        link = cluster.link(span)
+        grads = n * precision.grad
+        params = n * precision.param
+        if layout.zero == 0:
+            overlappable += collective_time("all_reduce", grads, size, link)
+        else:
+            repeat = m if layout.zero >= 2 else 1
+            overlappable += repeat * collective_time("reduce_scatter", grads, size, link)
+            if layout.zero == 3:
+                overlappable += 2 * m * collective_time("all_gather", params, size, link)
+            else:
+                exposed += collective_time("all_gather", params, size, link)  # the updated parameters
+    window = compute if layout.zero == 3 else backward if layout.zero == 2 else backward / m
+    hidden = min(overlappable, window)
+    return exposed + overlappable - hidden, hidden

@@ -1,0 +1,301 @@
+"""The trainer: `python -m minidist.train` on one process, `torchrun --nproc_per_node=N -m minidist.train` on N.
+
+Read it top to bottom:
+
+1. `train(cfg)`: check the settings, the layout and OUT (`minidist.train.config`, `minidist.train.distributed`,
+   `minidist.train.run_dir`: one-line errors before any process group exists; a run in OUT is never replaced unless
+   --overwrite says so), join the process group, `setup`, resume, `train_loop`.
+2. `setup`: the corpus, the model's structure on the meta device, and `parallelize` (in `minidist.parallel`), which
+   applies the parallel dimensions in one order, fills only this rank's parameters from (seed, parameter names)
+   (`minidist.parallel.materialize`) and returns a `ParallelModel`: the only object the loop talks to, whatever the
+   layout.
+3. `train_step`: forward and backward over the micro-batches, clip, check, step.
+4. `train_loop`: steps, logging (`minidist.train.metrics`), evaluation, checkpoints (`minidist.train.run_state`);
+   `finish`
+   writes the final figures and the loss curve.
+
+Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigram entropy, FLOPs per token, the
+peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer
+step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
+`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
+`aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.train.checkpoint); on a failure,
+a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.comm.recorder`; `python -m minidist.debug diff`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from minidist import flops, memory, precision
+from minidist.comm.topology import Topology
+from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.model import ModelConfig
+from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
+from minidist.parallel import materialize as shard_build
+from minidist.peak import MFU_CONVENTION, MfuMeter, peak_for_device
+from minidist.train import metrics, run_dir, run_state
+from minidist.train.compiling import compile_blocks
+from minidist.train.config import (
+    ConfigError,
+    TrainConfig,
+    check_config,
+    config_to_values,
+    lr_schedule,
+    model_config,
+    parse_config,
+)
+from minidist.train.distributed import DistEnv, barrier_for, joined, pick_device, resolve_parallel_dims
+from minidist.train.optim import WarmupCosine, build_optimizer
+from minidist.train.plots import plot_losses, read_metrics
+from minidist.trust import faults, health, replicas
+
+VAL_SEED = 20240101  # validation batches do not depend on --seed: runs with different seeds compare on one set
+
+
+@dataclass
+class Run:
+    """Everything a training loop holds; built by `setup`, advanced by `train_loop`."""
+
+    cfg: TrainConfig
+    mcfg: ModelConfig
+    env: DistEnv
+    topo: Topology
+    device: torch.device
+    parallel: ParallelModel  # this rank's model and optimizer, and the step's operations
+    schedule: WarmupCosine
+    sampler: BatchSampler
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    out: Path
+    info: dict  # what run.json records
+    start_step: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def log(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as `cfg` says; return a summary (losses by step, validation losses, throughput, final figures)."""
+    check_config(cfg)
+    env = DistEnv.detect()
+    dims = resolve_parallel_dims(cfg, env.world_size)  # before any process group: a bad layout fails fast
+    run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
+    faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
+    device = pick_device(cfg.device, env)
+    with joined(dims, env, device, cfg) as topo:  # the process groups; on a failure each rank writes OUT/flight/
+        run = setup(cfg, env, topo, device)
+        resume(run)
+        return train_loop(run)
+
+
+def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) -> Run:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    mcfg = model_config(cfg)
+    corpus = load_data(cfg)
+    model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
+    if cfg.recompute == "full":
+        memory.apply_recompute(model)
+    if cfg.compile:
+        compile_blocks(model)  # lazily, at the first forward
+    precision.configure_matmuls(device)
+    autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
+    counts = parameter_counts(model)
+    options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
+                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
+                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
+    make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                       betas=(cfg.beta1, cfg.beta2))
+    parallel = parallelize(model, mcfg, topo, options, make_optimizer, shard_build.materializer(mcfg, cfg.seed, device))
+    run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
+              sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
+              val_batches=validation_batches(corpus, cfg, device), autocast=autocast,
+              out=Path(cfg.out), info={})
+    run.info = describe_run(run, corpus, counts)
+    run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
+                        barrier=barrier_for(device) if env.world_size > 1 else None)
+    return run
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    params = sum(p.numel() for p in model.parameters())  # a tied weight is counted once
+    embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+    return {"params": params, "params_non_embedding": params - embedding}
+
+
+def load_data(cfg: TrainConfig) -> Corpus:
+    try:
+        corpus = load_corpus(None if cfg.data == "stdlib" else cfg.data, cfg.val_fraction, cfg.max_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if corpus.train.numel() < cfg.seq_len + 1:
+        raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
+                          f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
+    return corpus
+
+
+def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -> list:
+    """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split."""
+    if corpus.val.numel() < cfg.seq_len + 1:
+        return []
+    sampler = BatchSampler(corpus.val, cfg.seq_len, cfg.batch_size // cfg.microbatches, VAL_SEED)
+    return [tuple(t.to(device) for t in sampler.batch(i)) for i in range(cfg.eval_batches)]
+
+
+def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the global batch of `step`, split into micro-batches of (inputs, targets)."""
+    inputs, targets = sampler.shard(step, topo.coord("dp"), topo.size("dp"))
+    inputs, targets = inputs.to(device), targets.to(device)
+    return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
+
+
+def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, Any]:
+    """What run.json records: the resolved settings and the numbers every figure of the run is measured against."""
+    cfg, mcfg = run.cfg, run.mcfg
+    dtype = precision.resolve_dtype(cfg.dtype, run.device)
+    micro_tokens = cfg.batch_size // (run.topo.size("dp") * cfg.microbatches) * cfg.seq_len  # one matmul's rows
+    peak, peak_source = peak_for_device(run.device, dtype, cfg.peak_flops, mcfg, micro_tokens)
+    return {
+        "config": config_to_values(cfg), "model": dataclasses.asdict(mcfg), "world_size": run.env.world_size,
+        "parallel": dataclasses.asdict(run.topo.dims), "device": str(run.device), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "corpus": corpus.description, "train_tokens": corpus.train.numel(),
+        "val_tokens": corpus.val.numel(), "unigram_entropy_nats": unigram_entropy_nats(corpus.train), **counts,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len, "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
+        "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
+        "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
+    }
+
+
+def resume(run: Run) -> None:
+    """--resume: continue from OUT's latest checkpoint; otherwise start at step 0 (OUT holds no run by now)."""
+    try:
+        step = run_state.restore_run(run)
+    except ValueError as e:
+        raise ConfigError(f"cannot resume from {run.out / 'checkpoints'}: {e}") from None
+    if step is None and run.cfg.resume:
+        run.log(f"--resume: no checkpoint in {run.out / 'checkpoints'}; starting at step 0")
+    if step is not None:
+        run.start_step = run.info["resumed_from"] = step
+        run.log(f"resumed from {run_state.checkpoint_dir(run.out / 'checkpoints', step)}")
+    if run.is_main:
+        metrics.start_metrics(run.out / "metrics.jsonl", keep_before=step)
+
+
+def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,
+               grad_clip: float, autocast: Callable = contextlib.nullcontext) -> tuple[StepLosses, float]:
+    """One optimizer step on this rank's micro-batches of one global batch; returns (losses, grad norm before
+    clipping). Stops (TrainingDiverged) before a non-finite update, naming the step as the progress line does."""
+    losses = parallel.forward_backward(batches, autocast)
+    grad_norm = parallel.clip_grad_norm_(grad_clip)
+    health.check_finite(step + 1, losses.loss, grad_norm)  # `step` is 0-based; "step 3/200" is index 2
+    parallel.step()
+    return losses, grad_norm
+
+
+def train_loop(run: Run) -> dict[str, Any]:
+    # `last` keeps the cadence of --steps for evaluations and checks (a stopped and resumed run logs what a straight
+    # run does); `stopping`, the last step of this run (--stop-after's), always prints its progress line.
+    cfg, info, last = run.cfg, run.info, run.cfg.steps - 1
+    stopping = run_state.end_step(cfg) - 1
+    writer = metrics.MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
+    if run.is_main:
+        (run.out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    for line in metrics.header_lines(cfg, info, run.out):
+        run.log(line)
+    summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
+    clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
+    meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size)
+    for step in range(run.start_step, run_state.end_step(cfg)):  # --stop-after ends it early
+        started = time.perf_counter()
+        lr = run.schedule.apply(run.parallel.optimizer, step)
+        batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
+        losses, grad_norm = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
+                                       autocast=run.autocast)
+        run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
+        faults.inject(cfg.inject_fault, step, run.env.rank, run.parallel.model, params_sharded=cfg.zero == 3)
+        seconds = time.perf_counter() - started
+        mfu, note = meter.step(info["tokens_per_step"], seconds, count=step > run.start_step)
+        if note:
+            run.log(note)
+        record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "mfu": mfu, "step_s": seconds,
+                  "tokens_per_s": info["tokens_per_step"] / seconds,
+                  "peak_mem_bytes": memory.peak_memory_per_rank(run.device, run.env.world_size)}
+        if run.mcfg.moe.n_experts > 0:
+            record.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats())
+        if run.val_batches and _is_due(step, cfg.eval_every, last):
+            record["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches, run.autocast)
+        if writer:
+            writer.write(record)
+        clock.tick()
+        if _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping):
+            run.log(metrics.progress_line(record, cfg.steps, clock))
+        if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
+            replicas.check_run(run, f"check after step {step}")
+        run_state.checkpoint_if_due(run, step)  # every --ckpt-every steps, at the end and at --stop-after
+        for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
+            summary[key].append(record[name])
+    return finish(run, summary, clock, meter)
+
+
+def _is_due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and (step + 1) % every == 0)
+
+
+def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMeter) -> dict[str, Any]:
+    """The loss curve, the final figures in run.json, one closing line; returns the summary."""
+    info = run.info
+    summary.update(
+        out=str(run.out), elapsed_s=clock.elapsed, unigram_entropy_nats=info["unigram_entropy_nats"],
+        final_loss=summary["losses"][-1] if summary["losses"] else None,
+        final_val_loss=summary["val_losses"][max(summary["val_losses"])] if summary["val_losses"] else None,
+        mean_tokens_per_s=metrics.mean_after_first(summary["tokens_per_s"]),
+        mean_mfu=metrics.mean_after_first(summary["mfu"]), resumed_from=info.get("resumed_from"),
+        cumulative_mfu=meter.cumulative, final_peak_flops=meter.peak, peak_flops_raised_from=meter.raised_from,
+        param_hash=health.replica_hash(run.parallel.full_parameters()),  # replicas of one run must agree on it
+    )
+    if not run.is_main:
+        return summary
+    final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu",
+                                     "cumulative_mfu", "final_peak_flops", "peak_flops_raised_from", "param_hash")}
+    (run.out / "run.json").write_text(json.dumps({**info, "final": final}, indent=2) + "\n")
+    if run.cfg.plot:
+        plot_losses(read_metrics(run.out / "metrics.jsonl"), run.out / "loss.png",
+                    baseline=info["unigram_entropy_nats"],
+                    title=f"{run.cfg.model}: {run.cfg.batch_size}x{run.cfg.seq_len} tokens/step")
+    run.log(metrics.closing_line(summary, info["unigram_entropy_nats"]))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(parse_config(argv))
+    except ConfigError as e:
+        if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
+        if (line := health.stop_reason(e, DistEnv.detect().rank)) is None:
+            raise  # a bug: keep its traceback
+        print(f"error: {line}", file=sys.stderr)
+        return 1
+    return 0
+

@@ -1,0 +1,136 @@
+"""A training run's state in a checkpoint, and how a run resumes from it.
+
+A checkpoint after step s holds everything the next step depends on. Each rank file holds that rank's *pieces*
+(minidist.train.reshard): the parts of the full model and optimizer state it is the first holder of, so a replica
+writes no copy of what another rank writes, and its random generators; rank 0's also holds the run state that
+does not depend on the layout: the learning-rate schedule, the sampler's position and the param groups' settings
+(betas, eps, weight decay). Every resume loads through the pieces, in the layout that wrote the checkpoint as in
+any other: the values copied are the saved numbers, so in the same layout step s+1 is bit for bit the step the
+uninterrupted run took (tests/test_checkpoint.py checks it). The file format is minidist.train.checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minidist.train import checkpoint, optim, reshard
+from minidist.train.config import config_to_values
+from minidist.train.distributed import barrier_for
+from minidist.trust import replicas
+
+# Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
+SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "seq_len", "seed")
+
+
+def save_run(run: Any, steps_done: int) -> None:
+    """Checkpoint after `steps_done` optimizer steps: this rank's pieces and generators (rank 0: the run state too),
+    plus meta.json from rank 0. The replicas are compared first: a checkpoint must never preserve copies that
+    disagree (the first holder's would be kept, silently)."""
+    replicas.check_run(run, f"check before the checkpoint at step {steps_done}")
+    pieces, index = reshard.pieces_to_save(run.parallel, run.topo)
+    state = {"rng": rng_state(), "pieces": pieces}
+    if run.env.rank == 0:
+        state["run"] = {"schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(),
+                        "param_groups": optim.group_settings(run.parallel.optimizer)}
+    meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
+    barrier = barrier_for(run.device) if run.env.world_size > 1 else None
+    checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
+                               world_size=run.env.world_size, barrier=barrier, pieces=index)
+    if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
+        checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
+
+
+def end_step(cfg: Any) -> int:
+    """The step index the loop stops before: --steps, or --stop-after N (N completed steps; the LR schedule and the
+    checkpoint cadence stay those of --steps, so a resumed run continues the same curve)."""
+    return cfg.stop_after if cfg.stop_after > 0 else cfg.steps
+
+
+def checkpoint_if_due(run: Any, step: int) -> None:
+    """After step index `step`: checkpoint every --ckpt-every steps and at the last step, and always at --stop-after
+    (a time-limited job must leave a checkpoint to continue from)."""
+    cfg = run.cfg
+    due = cfg.ckpt_every > 0 and (step == cfg.steps - 1 or (step + 1) % cfg.ckpt_every == 0)
+    stopping = step + 1 == cfg.stop_after
+    if due or stopping:
+        save_run(run, step + 1)
+    if stopping and cfg.stop_after < cfg.steps:
+        run.log(f"--stop-after {cfg.stop_after}: stopped with a checkpoint at step {step + 1} of {cfg.steps}; "
+                "continue with --resume")
+
+
+def restore_run(run: Any) -> int | None:
+    """With --resume, load the latest checkpoint in OUT and return its step (None: none there, start at 0).
+    Deletes nothing: a fresh run reaches here only into an OUT without a run (minidist.train.run_dir checks it).
+    A damaged checkpoint or a mismatch is a one-line ValueError naming the file or what differs."""
+    root = run.out / "checkpoints"
+    step = checkpoint.latest_step(root) if run.cfg.resume else None
+    if step is None:
+        return None
+    if 0 < run.cfg.stop_after <= step:
+        raise ValueError(f"the checkpoint is at step {step}, already at or past --stop-after {run.cfg.stop_after}")
+    meta = checkpoint.load_meta(root, step)
+    saved = meta.get("config")
+    check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
+    same = same_layout(meta, run)
+    changed = restore_pieces(run, checkpoint_dir(root, step), meta, same)
+    if changed:
+        run.log(f"the checkpoint's optimizer settings are kept: {', '.join(changed)} (not this run's)")
+    # Copies that differ now come from the index (a piece that fills one replica and not another), not the files.
+    replicas.check_run(run, f"check after resuming from step {step}" + ("" if same else " in another layout"))
+    return step
+
+
+def same_layout(meta: dict, run: Any) -> bool:
+    """Whether the checkpoint's rank files are this run's ranks' own (then each rank restores its own generators)."""
+    saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    return (meta.get("world_size") == run.env.world_size and meta.get("parallel") == dataclasses.asdict(run.topo.dims)
+            and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages")))
+
+
+def restore_pieces(run: Any, step_dir: Path, meta: dict, same: bool) -> list[str]:
+    """Each rank fills what it holds from the pieces that intersect it (minidist.train.reshard), whichever layout wrote
+    them; the run state comes from rank 0's file, the random generators from the rank's own file in the same
+    layout, else from rank 0's. Returns the optimizer settings the checkpoint changed (`optim.load_group_settings`)."""
+    reader = reshard.PieceReader(step_dir, meta)
+    first = reader.open(checkpoint.rank_file(0))
+    own = reader.open(checkpoint.rank_file(run.env.rank)) if same else first
+    try:  # plain data by now (weights_only), but not necessarily the shape this run expects
+        state = first["run"]
+        run.schedule.load_state_dict(state["schedule"])
+        run.sampler.load_state_dict(state["sampler"])
+        changed = optim.load_group_settings(run.parallel.optimizer, state["param_groups"])
+        reshard.load_pieces(run.parallel, run.topo, reader)
+        set_rng_state(own["rng"])
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
+        lines = str(e).splitlines() or [""]
+        where = "" if same else " in its new layout"
+        raise ValueError(f"{step_dir} does not fit this run{where}: {type(e).__name__} {lines[0]}") from None
+    return changed
+
+
+def check_same_run(saved: dict, now: dict) -> None:
+    diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in SAME_RUN_KEYS if saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"settings differ from the checkpoint's: {'; '.join(diffs)}")
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / checkpoint.step_dir_name(step)

@@ -1,0 +1,81 @@
+"""Trust nothing: cheap checks that catch a broken run at the step it breaks, not hours later.
+
+- `check_finite`: a NaN or inf loss or gradient norm stops training with one line naming the step, before the
+  optimizer writes the bad update into the weights.
+- `replica_hash`: a fingerprint of tensors' exact bytes. Data-parallel replicas must hold bitwise-identical
+  parameters; comparing one short string per rank (chapter 07) finds the first step where they drift apart.
+- `check_fp32`: losses are reduced in fp32. A bf16 sum of thousands of per-token losses keeps only 8 bits of
+  mantissa, so the logged loss (and its gradient scale) would depend on the batch size and the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being a finite number."""
+
+
+def check_finite(step: int, loss: float, grad_norm: float) -> None:
+    """Raise TrainingDiverged (one line, naming the step) unless loss and grad_norm are finite."""
+    bad = [f"{name}={value}" for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(value)]
+    if bad:
+        raise TrainingDiverged(
+            f"step {step}: {' and '.join(bad)} is not finite; stopping before the optimizer step "
+            "(lower --lr, raise --warmup-steps, or set --grad-clip)"
+        )
+
+
+def check_fp32(name: str, tensor: torch.Tensor) -> None:
+    """Raise unless `tensor` is fp32: reductions of losses must not happen in a 16-bit type."""
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{name} must be reduced in float32, got {tensor.dtype}")
+
+
+def replica_hash(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 (hex, first 16 characters) of the tensors' raw bytes, in order, with their shapes and dtypes.
+
+    Two replicas agree iff every byte agrees: this is an equality test, not a tolerance test.
+    """
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+
+def comm_failure(exc: BaseException) -> str | None:
+    """One line for an exception raised inside a collective (a peer that stopped answering within
+    --comm-timeout, or died), naming the operation and the group from the outermost `Comm` frame of the
+    traceback; None for any other exception (a bug, which keeps its traceback)."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    innermost = frames[-1].f_code.co_filename if frames else ""
+    if not any(part in innermost for part in ("minidist/comm/communicator.py", "torch/distributed")):
+        return None
+    where = "a collective"
+    for frame in frames:
+        comm = frame.f_locals.get("self")
+        if type(comm).__name__ == "Comm":
+            where = f"{frame.f_code.co_name} over group {comm.name} (ranks {comm.ranks})"
+            break
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{where} failed: {first}"
+
+
+def stop_reason(exc: BaseException, rank: int) -> str | None:
+    """The one line the trainer prints when it stops a run on purpose (a divergence, replicas that differ, a
+    collective that failed); None for anything else."""
+    if isinstance(exc, TrainingDiverged):
+        return str(exc)
+    line = comm_failure(exc)
+    return f"rank {rank}: {line}" if line is not None else None

@@ -1,0 +1,142 @@
+"""Replica checks: the tensors that several ranks must hold bit for bit, compared across those ranks.
+
+A data-parallel job keeps many copies of the same numbers: every dp·cp replica holds the same parameters (ZeRO
+0-2), every tp rank of a group holds the same norm weights, every edp rank the same experts. Nothing in training
+compares them: a flipped bit in one copy (silent data corruption, a real hazard at scale: the Llama 3 paper, 2024,
+§3.3.4, counts it among the causes of its interruptions) changes the loss too little to see, and the copies drift
+apart for good. Megatron-Core checks this the same way: it hashes the parameters on each data-parallel rank and
+compares the hashes across them (its "replica hash" checks of parameter state).
+
+What to compare comes from each parameter's placement record (`minidist.parallel.placement`), never from module
+types:
+
+- `replicated_over` (dp_cp, or edp for experts): every rank of that group holds the same tensor, except under
+  ZeRO-3, where each rank holds only its own slice of the parameters: no parameter has a replica to compare;
+- a split whose `dim` is None (a tp-replicated norm weight): every rank of that group holds the whole tensor (under
+  ZeRO-3, the same slice of it: the ranks of a tp group shard equal local shapes in the same bucket layout, so
+  they own the same element ranges, and those slices are compared);
+- a split with `replicas` > 1 (a key/value head shared by several tp ranks): the ranks with the same slice index.
+
+Persistent buffers (model state, e.g. the MoE router bias) are compared over dp_cp, whose ranks run the same
+modules by construction; non-persistent buffers are per-rank scratch (this rank's expert counts) and may differ.
+
+Each rank hashes every tensor to one int64 (the first 8 bytes of a SHA-256 of its bytes), all-gathers the hashes
+over the group through its Comm, and compares: one int64 per tensor per rank travels, never the tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minidist.comm.communicator import Comm
+from minidist.parallel.placement import placement_of
+from minidist.trust.health import TrainingDiverged, replica_hash
+
+
+class ReplicasDiffer(TrainingDiverged):
+    """Tensors that must be identical on several ranks are not."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to compare over one group; ranks compare only with the ranks that have the same `key`."""
+
+    name: str
+    tensor: torch.Tensor
+    key: int = 0
+
+
+def tensor_hash(tensor: torch.Tensor) -> int:
+    """The tensor's bytes (with its shape and dtype) as one signed int64: equal iff the bytes are, barring a
+    2^-64 collision."""
+    value = int(replica_hash([tensor]), 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def replica_entries(model: nn.Module, params_sharded: bool = False,
+                    pieces: dict[str, torch.Tensor] | None = None) -> dict[str, list[Entry]]:
+    """{group: the tensors of this rank that other ranks of that group also hold}, each list in name order.
+
+    `params_sharded` (ZeRO-3): the parameters live as disjoint slices over dp_cp, so replicated_over is ignored, and
+    `pieces` holds this rank's slice of each parameter by name (`ZeroOptimizer.param_pieces`), compared in its
+    place (the model's parameters are empty tensors between gathers)."""
+    entries: dict[str, list[Entry]] = defaultdict(list)
+    for name, param in sorted(model.named_parameters()):
+        placement = placement_of(param)
+        tensor = pieces[name] if pieces is not None else param
+        if not params_sharded:
+            for group in placement.replicated_over:
+                entries[group].append(Entry(name, tensor))
+        for group, split in placement.splits.items():
+            if split.dim is None or split.replicas > 1:
+                entries[group].append(Entry(name, tensor, split.index))
+    persistent = set(model.state_dict())
+    for name, buffer in sorted(model.named_buffers()):
+        if name in persistent:
+            entries["dp_cp"].append(Entry(name, buffer))
+    return dict(entries)
+
+
+def replicated_names(model: nn.Module, params_sharded: bool = False) -> list[str]:
+    """Parameters (in name order) of which some other rank holds an identical copy."""
+    params = dict(model.named_parameters())
+    names = {e.name for group in replica_entries(model, params_sharded).values() for e in group}
+    return sorted(names & set(params))
+
+
+def compare(group: str, entries: list[Entry], comm: Comm) -> None:
+    """All-gather each entry's hash over `comm`; raise ReplicasDiffer naming the ranks and the first differing
+    tensor (in name order). Collective over the group: every member calls it with the same names."""
+    counts = comm.all_gather(torch.tensor([len(entries)], dtype=torch.int64))
+    if len(set(counts.tolist())) > 1:
+        raise ReplicasDiffer(f"replicas differ over {group}: ranks {comm.ranks} hold {counts.tolist()} tensors "
+                             "that should be replicated")
+    mine = [tensor_hash(e.tensor) for e in entries] + [e.key for e in entries]
+    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64)).reshape(comm.size, 2 * len(entries)).tolist()
+    for i, entry in enumerate(entries):
+        classes: dict[int, list[int]] = defaultdict(list)  # slice key -> group ranks holding that slice
+        for r, row in enumerate(rows):
+            classes[row[len(entries) + i]].append(r)
+        for members in classes.values():
+            hashes = Counter(rows[r][i] for r in members)
+            if len(hashes) > 1:
+                majority = max(hashes, key=lambda h: (hashes[h], -min(r for r in members if rows[r][i] == h)))
+                odd = [comm.global_rank(r) for r in members if rows[r][i] != majority]
+                rest = [comm.global_rank(r) for r in members if rows[r][i] == majority]
+                # With a majority, the odd ranks are the likely culprits; with a tie, no one can tell which is right.
+                verb = "disagree with" if len(rest) > len(odd) else "and"
+                first, second = (odd, rest) if verb != "and" else sorted((odd, rest))
+                raise ReplicasDiffer(f"replicas differ over {group}: rank(s) {first} {verb} rank(s) {second} "
+                                     f"on {entry.name} (the first differing tensor, in name order)")
+
+
+def check_replicas(model: nn.Module, comms: dict[str, Comm], params_sharded: bool = False,
+                   when: str = "", pieces: dict[str, torch.Tensor] | None = None) -> None:
+    """Compare every replicated tensor over its group; `comms` holds this rank's Comm of every group of size > 1
+    that may appear in a placement. Every rank of the job calls it, with the same groups in the same order.
+    `pieces`: under ZeRO-3, this rank's slices of the parameters by name (see `replica_entries`)."""
+    entries = replica_entries(model, params_sharded, pieces)
+    # A group no placement names (edp without experts) has no entries on any of its ranks: nothing to compare.
+    for group in sorted(set(comms) & set(entries)):
+        try:
+            compare(group, entries[group], comms[group])
+        except ReplicasDiffer as e:
+            raise ReplicasDiffer(f"{when}: {e}" if when else str(e)) from None
+
+
+def replica_comms(topo) -> dict[str, Comm]:
+    """The Comms of the groups a placement can name (dp_cp, edp, tp, tied), those with more than one rank."""
+    return {name: topo.comm(name) for name in ("dp_cp", "edp", "tp", "tied") if topo.size(name) > 1}
+
+
+def check_run(run, when: str) -> None:
+    """The trainer's check (`run`: a `minidist.train.loop.Run`): every copy of a replicated tensor bitwise identical.
+    Under ZeRO-3 no parameter has a dp_cp copy (each rank holds its own slice); the slices of tp-replicated ones
+    and the buffers are still compared."""
+    sharded, engine = run.cfg.zero == 3, run.parallel.zero or run.parallel.experts
+    pieces = engine.param_pieces() if sharded and engine is not None else None
+    check_replicas(run.parallel.model, replica_comms(run.topo), sharded, when, pieces)
