@@ -45,3 +45,11 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
     if dtype == "bf16":
         return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def check_fp32(name: str, tensor: torch.Tensor) -> None:
+    """Raise unless `tensor` is fp32: reductions of losses must not happen in a 16-bit type. A bf16 sum of
+    thousands of per-token losses keeps only 8 bits of mantissa, so the logged loss (and its gradient scale)
+    would depend on the batch size and the layout."""
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{name} must be reduced in float32, got {tensor.dtype}")

@@ -210,7 +210,7 @@ def _bf16_case(topo: Topology) -> dict:
 
 def trainer_config(out: str, **changes):
     """A few steps of `minidist.train.loop` on a small model (the same settings for every layout)."""
-    from minidist.train.loop import TrainConfig
+    from minidist.train.config import TrainConfig
 
     settings = dict(model="tiny", model_overrides=dict(d_model=64, n_layers=2, d_ff=128), max_bytes=300_000,
                     batch_size=8, seq_len=32, microbatches=2, steps=4, warmup_steps=1, eval_every=0, eval_batches=1,

@@ -9,7 +9,7 @@ import torch
 
 from minidist.train import checkpoint, reshard
 from minidist.train import loop as train
-from minidist.train.loop import ConfigError, TrainConfig
+from minidist.train.config import ConfigError, TrainConfig
 
 SMALL_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 TIMING = {"tokens_per_s", "mfu", "step_s", "peak_mem_bytes"}  # fields that measure the machine, not the math

@@ -14,8 +14,8 @@ import torch
 
 from minidist.model import get_preset
 from minidist.parallel.ep.expert import validate_expert_parallel
-from minidist.train.distributed import resolve_parallel_dims
-from minidist.train.loop import ConfigError, TrainConfig
+from minidist.train.config import ConfigError, TrainConfig
+from minidist.train.preflight import resolve_parallel_dims
 
 STAT_RTOL = 1e-5
 

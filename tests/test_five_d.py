@@ -21,8 +21,8 @@ import torch
 import trainer_parity
 
 from minidist.comm.launch import run_ranks
-from minidist.train.distributed import resolve_parallel_dims
-from minidist.train.loop import TrainConfig
+from minidist.train.config import TrainConfig
+from minidist.train.preflight import resolve_parallel_dims
 
 DIMS = ("dp", "tp", "pp", "cp", "ep")
 ZERO_STAGES, SCHEDULES, KINDS = (1, 2, 3), ("afab", "1f1b", "interleaved"), ("dense", "moe")

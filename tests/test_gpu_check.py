@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minidist.train.config import parse_config
-from minidist.train.distributed import resolve_parallel_dims
+from minidist.train.preflight import resolve_parallel_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 

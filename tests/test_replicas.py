@@ -13,7 +13,7 @@ from test_checkpoint import small_config
 
 from minidist.comm.launch import run_ranks
 from minidist.train import loop as train
-from minidist.train.loop import ConfigError
+from minidist.train.config import ConfigError
 from minidist.trust import faults
 from minidist.trust.replicas import ReplicasDiffer
 

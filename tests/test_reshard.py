@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 import trainer_parity
 
+from minidist.comm.bootstrap import DistEnv, init_distributed
 from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint, reshard, run_state
 from minidist.train import loop as train
-from minidist.train.distributed import DistEnv, init_distributed, resolve_parallel_dims
-from minidist.train.loop import ConfigError, TrainConfig
+from minidist.train.config import ConfigError, TrainConfig
+from minidist.train.preflight import resolve_parallel_dims
 
 # tied embeddings: under pp the first and last stage each hold tok_emb.weight, and only one of them writes it
 MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32,

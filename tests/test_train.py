@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from minidist import precision
 from minidist.comm.topology import ParallelDims
 from minidist.data.corpus import BatchSampler, load_corpus, unigram_entropy_nats
 from minidist.model import build_model, get_preset, lm_loss
@@ -24,8 +25,8 @@ from minidist.train.config import (
     config_to_values,
     parse_config,
 )
-from minidist.train.distributed import resolve_parallel_dims
 from minidist.train.optim import WarmupCosine, build_optimizer, param_groups
+from minidist.train.preflight import resolve_parallel_dims
 from minidist.train.reshard import read_full_model
 from minidist.trust import health
 
@@ -330,7 +331,7 @@ def test_bf16_autocast_runs_with_fp32_losses(tmp_path):
     summary = train.train(small_config(tmp_path, dtype="bf16", steps=2))
     assert all(math.isfinite(x) for x in summary["losses"])
     with pytest.raises(TypeError, match="float32"):
-        health.check_fp32("loss", torch.zeros((), dtype=torch.bfloat16))
+        precision.check_fp32("loss", torch.zeros((), dtype=torch.bfloat16))
 
 
 def test_short_run_beats_unigram_entropy(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import trainer_parity
 
 from minidist.comm.launch import run_ranks
-from minidist.train.distributed import resolve_parallel_dims
-from minidist.train.loop import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.preflight import resolve_parallel_dims
 
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 

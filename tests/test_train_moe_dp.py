@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint
-from minidist.train.loop import parse_config, train
+from minidist.train.config import parse_config
+from minidist.train.loop import train
 
 FIGURES = ("loss", "aux_loss", "grad_norm", "moe_load_imbalance", "moe_max_load_imbalance", "moe_drop_rate",
            "moe_balance_loss", "moe_z_loss", "val_loss")

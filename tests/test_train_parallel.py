@@ -14,8 +14,8 @@ import trainer_parity
 from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint
 from minidist.train import loop as train
-from minidist.train.distributed import resolve_parallel_dims
-from minidist.train.loop import ConfigError, TrainConfig
+from minidist.train.config import ConfigError, TrainConfig
+from minidist.train.preflight import resolve_parallel_dims
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 4 layers split over pp 4, or pp 2 x 2 virtual stages.
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}

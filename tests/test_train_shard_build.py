@@ -7,24 +7,26 @@ import math
 
 import pytest
 
+from minidist.comm.bootstrap import DistEnv, init_distributed, pick_device
 from minidist.comm.launch import run_ranks
 from minidist.flops import count_params
 from minidist.memory import LiveTensorBytes
 from minidist.parallel.placement import placement_of
 from minidist.train import loop as train
-from minidist.train.distributed import DistEnv, init_distributed, resolve_parallel_dims
+from minidist.train.config import TrainConfig, check_config
+from minidist.train.preflight import resolve_parallel_dims
 
 # d 256, 4 layers: 3.3M parameters (13.1 MB fp32); the largest is a 256 x 768 MLP matrix (0.79 MB).
 MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=64)
 
 
 def _setup_bytes(root: str, layout: dict) -> dict:
-    cfg = train.TrainConfig(model="tiny", model_overrides=dict(MODEL), max_bytes=20_000, batch_size=4, seq_len=32,
+    cfg = TrainConfig(model="tiny", model_overrides=dict(MODEL), max_bytes=20_000, batch_size=4, seq_len=32,
                             steps=1, eval_batches=1, out=f"{root}/{'_'.join(map(str, layout.values()))}",
                             peak_flops=1e12, plot=False, **layout)
-    mcfg = train.check_config(cfg)
+    mcfg = check_config(cfg)
     env = DistEnv.detect()
-    device = train.pick_device("cpu", env)
+    device = pick_device("cpu", env)
     topo, _ = init_distributed(resolve_parallel_dims(cfg, env.world_size), env, device)
     with LiveTensorBytes() as memory:
         run = train.setup(cfg, env, topo, device)

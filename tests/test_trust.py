@@ -17,7 +17,7 @@ from test_checkpoint import records, small_config
 
 from minidist.train import checkpoint, run_dir
 from minidist.train import loop as train
-from minidist.train.loop import ConfigError
+from minidist.train.config import ConfigError
 
 
 class Payload:

@@ -18,8 +18,7 @@ from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.train.config import model_config
-from minidist.train.loop import TrainConfig
+from minidist.train.config import TrainConfig, model_config
 from minidist.train.optim import build_optimizer
 from minidist.trust import health
 from minidist.trust.replicas import ReplicasDiffer, check_replicas, replica_comms

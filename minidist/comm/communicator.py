@@ -342,11 +342,14 @@ class Comm:
         work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
         return self._finish(work, tensor, async_op)
 
-    def barrier(self) -> None:
+    def barrier(self, device: torch.device | None = None) -> None:
+        """Wait for every rank of the group. On NCCL, `device` names this rank's GPU (device_ids), which NCCL would
+        otherwise guess from the rank number (wrong when ranks are not laid out on GPUs in order)."""
         if self.size > 1:
             if self.recorder is not None:
                 self.recorder.record(self.name, self._ranks_key, "barrier", (), None)
-            dist.barrier(group=self.group)
+            device_ids = [device.index] if device is not None and device.type == "cuda" else None
+            dist.barrier(group=self.group, device_ids=device_ids)
 
     # -- point to point -------------------------------------------------------------------------------------------
 

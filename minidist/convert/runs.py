@@ -143,9 +143,10 @@ def _model_values(cfg: ModelConfig) -> dict[str, Any]:
 
 def _save_step0(cfg: Any, state: dict[str, torch.Tensor]) -> None:
     """The one-process trainer's run state with `state` as its weights, saved as the checkpoint of step 0."""
+    from minidist.comm.bootstrap import DistEnv, init_distributed
     from minidist.train import loop as train
     from minidist.train import run_state
-    from minidist.train.distributed import DistEnv, init_distributed, resolve_parallel_dims
+    from minidist.train.preflight import resolve_parallel_dims
 
     env = DistEnv(rank=0, world_size=1, local_rank=0)
     device = torch.device("cpu")

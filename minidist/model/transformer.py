@@ -15,6 +15,7 @@ from torch import nn
 
 from minidist.model.attention import Rope, build_attention
 from minidist.model.config import ModelConfig
+from minidist.model.init import init_parameters
 from minidist.model.layers import build_mlp, build_norm
 from minidist.model.rope import rope_cos_sin, rope_for_config
 
@@ -106,8 +107,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -10
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """Construct the model and give every parameter its layout-independent initial value."""
-    from minidist.model.init import init_parameters
-
     model = Transformer(cfg)
     init_parameters(model, cfg, seed)
     return model

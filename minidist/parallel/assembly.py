@@ -46,7 +46,7 @@ from minidist.parallel.ep.expert import apply_expert_parallel, is_expert_param, 
 from minidist.parallel.ep.expert_grads import ExpertReplicas
 from minidist.parallel.placement import Placement, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import TiedGrads, tie_across_stages
-from minidist.trust import health
+from minidist.precision import check_fp32
 
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -205,7 +205,7 @@ class ParallelModel:
             with autocast():
                 logits = self.model(inputs, positions[i] if positions else None)
             loss_sum = self.loss_fn(logits, targets)  # fp32 whatever the autocast dtype
-            health.check_fp32("loss", loss_sum)
+            check_fp32("loss", loss_sum)
             objective = loss_sum * loss_scale
             if self.with_aux:  # balancing losses are per micro-batch means: 1/M each
                 aux = self.model.aux_loss().float()

@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.train.config import ConfigError
-
 
 def check_can_compile(device: str) -> None:
-    """One-line ConfigError unless inductor can compile for `device` ("auto", "cpu" or "cuda") here."""
+    """A one-line ValueError unless inductor can compile for `device` ("auto", "cpu" or "cuda") here."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return  # inductor generates Triton kernels for CUDA (part of a CUDA torch)
     from torch._inductor import cpp_builder, exc
@@ -27,7 +25,7 @@ def check_can_compile(device: str) -> None:
     try:
         cpp_builder.get_cpp_compiler()
     except exc.InvalidCxxCompiler:
-        raise ConfigError("--compile on a CPU needs a C++ compiler (inductor generates C++), and none was found "
+        raise ValueError("--compile on a CPU needs a C++ compiler (inductor generates C++), and none was found "
                           "(g++ on PATH, or $CXX); install one or leave out --compile") from None
 
 

@@ -15,10 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minidist.comm.bootstrap import DEVICES
 from minidist.data.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
 from minidist.model.config import ALL_PRESETS
+from minidist.parallel.cp import IMPLS as CP_IMPLS
+from minidist.parallel.pp.schedules import SCHEDULES
+from minidist.precision import DTYPES
+from minidist.train.compiling import check_can_compile
 from minidist.train.optim import WarmupCosine
+from minidist.trust.faults import parse_fault
 
 DESCRIPTION = ("The trainer: `python -m minidist.train` on one process, "
                "`torchrun --nproc_per_node=N -m minidist.train` on N.")
@@ -311,19 +317,51 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if non_finite:
         raise ConfigError(f"settings must be finite numbers, got {', '.join(non_finite)}")
     mcfg = model_config(cfg)
-    at_least = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
-                "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-                "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0}
-    for key, low in at_least.items():
+    _check_ranges(cfg)
+    _check_batch_and_model(cfg, mcfg)
+    _check_choices(cfg)
+    _check_combinations(cfg)
+    _check_data(cfg)
+    try:
+        if cfg.compile:
+            check_can_compile(cfg.device)
+        if cfg.inject_fault is not None:
+            parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    lr_schedule(cfg)  # its own checks (lr >= min_lr >= 0)
+    return mcfg
+
+
+# The lowest value of each integer setting.
+AT_LEAST = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
+            "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
+            "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0}
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    for key, low in AT_LEAST.items():
         if getattr(cfg, key) < low:
             raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
     if not 0 <= cfg.stop_after <= cfg.steps:
         raise ConfigError(f"--stop-after {cfg.stop_after} is outside 0..steps ({cfg.steps}): N completed steps of "
                           "--steps, then a checkpoint and exit (0: run all steps)")
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume continues the run in OUT and --overwrite replaces it; give one of them")
     if cfg.dp is not None and cfg.dp < 1:
         raise ConfigError(f"dp must be >= 1, got {cfg.dp}")
+    if cfg.zero > 3:
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    for key in ("weight_decay", "grad_clip"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if not 0 <= cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.max_bytes is not None and cfg.max_bytes < 1:
+        raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
+    if cfg.comm_timeout <= 0:
+        raise ConfigError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+
+
+def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.batch_size % cfg.microbatches:
         fits = [m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0]
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
@@ -333,41 +371,33 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
     if mcfg.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-    for key, allowed in (("dtype", ("auto", "fp32", "bf16")), ("recompute", ("none", "full")),
-                         ("device", ("auto", "cpu", "cuda")),
-                         ("schedule", ("afab", "1f1b", "interleaved")),
-                         ("cp_impl", ("ring", "allgather", "ulysses"))):
+
+
+RECOMPUTE = ("none", "full")
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
+    for key, allowed in (("dtype", DTYPES), ("recompute", RECOMPUTE), ("device", DEVICES),
+                         ("schedule", SCHEDULES), ("cp_impl", CP_IMPLS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
-    if cfg.zero > 3:
-        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in OUT and --overwrite replaces it; give one of them")
     if cfg.loss_chunk and cfg.tp > 1:
         raise ConfigError("--loss-chunk with --tp > 1: the vocab-parallel loss is not chunked; use --loss-chunk 0")
     if cfg.loss_chunk and cfg.zero == 3:
         raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
                           "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
-    if cfg.compile:
-        from minidist.train.compiling import check_can_compile
 
-        check_can_compile(cfg.device)
-    for key in ("weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.max_bytes is not None and cfg.max_bytes < 1:
-        raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
+
+def _check_data(cfg: TrainConfig) -> None:
     if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not Path(cfg.data).expanduser().exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
                           "a .bin/.npy file, or 'stdlib'")
-    if cfg.comm_timeout <= 0:
-        raise ConfigError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
-    if cfg.inject_fault is not None:
-        from minidist.trust.faults import parse_fault
-
-        parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run in train()
-    lr_schedule(cfg)  # its own checks (lr >= min_lr >= 0)
-    return mcfg
 
 
 def lr_schedule(cfg: TrainConfig) -> WarmupCosine:

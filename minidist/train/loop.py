@@ -2,13 +2,13 @@
 
 Read it top to bottom:
 
-1. `train(cfg)`: check the settings, the layout and OUT (`minidist.train.config`, `minidist.train.distributed`,
-   `minidist.train.run_dir`: one-line errors before any process group exists; a run in OUT is never replaced unless
-   --overwrite says so), join the process group, `setup`, resume, `train_loop`.
+1. `train(cfg)`: check the settings, the layout and OUT (`minidist.train.preflight`: one-line errors before any
+   process group exists; a run in OUT is never replaced unless --overwrite says so), join the process group
+   (`minidist.comm.bootstrap`), `setup`, resume, `train_loop`.
 2. `setup`: the corpus, the model's structure on the meta device, and `parallelize` (in `minidist.parallel`), which
    applies the parallel dimensions in one order, fills only this rank's parameters from (seed, parameter names)
-   (`minidist.parallel.materialize`) and returns a `ParallelModel`: the only object the loop talks to, whatever the
-   layout.
+   (`minidist.parallel.materialize`) and returns a `ParallelModel`: the only object the loop talks to, whatever
+   the layout.
 3. `train_step`: forward and backward over the micro-batches, clip, check, step.
 4. `train_loop`: steps, logging (`minidist.train.metrics`), evaluation, checkpoints (`minidist.train.run_state`);
    `finish`
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from minidist import flops, memory, precision
+from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.model import ModelConfig
@@ -51,15 +52,14 @@ from minidist.train.compiling import compile_blocks
 from minidist.train.config import (
     ConfigError,
     TrainConfig,
-    check_config,
     config_to_values,
     lr_schedule,
     model_config,
     parse_config,
 )
-from minidist.train.distributed import DistEnv, barrier_for, joined, pick_device, resolve_parallel_dims
 from minidist.train.optim import WarmupCosine, build_optimizer
 from minidist.train.plots import plot_losses, read_metrics
+from minidist.train.preflight import preflight
 from minidist.trust import faults, health, replicas
 
 VAL_SEED = 20240101  # validation batches do not depend on --seed: runs with different seeds compare on one set
@@ -87,6 +87,13 @@ class Run:
     def is_main(self) -> bool:
         return self.env.rank == 0
 
+    @property
+    def barrier(self) -> Callable[[], None] | None:
+        """A barrier of all ranks (the checkpoint's steps wait on it); None on one process."""
+        if self.env.world_size == 1:
+            return None
+        return functools.partial(self.topo.comm("world").barrier, self.device)
+
     def log(self, text: str) -> None:
         if self.is_main:
             print(text, flush=True)
@@ -94,13 +101,11 @@ class Run:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says; return a summary (losses by step, validation losses, throughput, final figures)."""
-    check_config(cfg)
-    env = DistEnv.detect()
-    dims = resolve_parallel_dims(cfg, env.world_size)  # before any process group: a bad layout fails fast
-    run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
-    faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
-    device = pick_device(cfg.device, env)
-    with joined(dims, env, device, cfg) as topo:  # the process groups; on a failure each rank writes OUT/flight/
+    checked = preflight(cfg)  # before any process group: bad settings and layouts fail fast, in one line
+    env, device = checked.env, checked.device
+    # The process groups; on a failure each rank writes OUT/flight/ (a bad setting is no communication failure).
+    with joined(checked.dims, env, device, cfg.comm_timeout, Path(cfg.out),
+                ignore=(ConfigError, faults.FaultError)) as topo:
         run = setup(cfg, env, topo, device)
         resume(run)
         return train_loop(run)
@@ -131,7 +136,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
               out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus, counts)
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
-                        barrier=barrier_for(device) if env.world_size > 1 else None)
+                        barrier=run.barrier)
     return run
 
 
@@ -288,7 +293,7 @@ def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMe
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_config(argv))
-    except ConfigError as e:
+    except (ConfigError, faults.FaultError) as e:
         if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,6 @@ import torch
 
 from minidist.train import checkpoint, optim, reshard
 from minidist.train.config import config_to_values
-from minidist.train.distributed import barrier_for
 from minidist.trust import replicas
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
@@ -38,9 +37,8 @@ def save_run(run: Any, steps_done: int) -> None:
         state["run"] = {"schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(),
                         "param_groups": optim.group_settings(run.parallel.optimizer)}
     meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
-    barrier = barrier_for(run.device) if run.env.world_size > 1 else None
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
-                               world_size=run.env.world_size, barrier=barrier, pieces=index)
+                               world_size=run.env.world_size, barrier=run.barrier, pieces=index)
     if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
         checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
 

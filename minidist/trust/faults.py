@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minidist.train.config import ConfigError
 from minidist.trust.replicas import replicated_names
 
 FLIPPED_BIT = 16  # of fp32's 23 mantissa bits: the element changes by about 1%, far below what the loss shows
 
 
-class FaultError(ConfigError):
-    """A fault spec that cannot be applied (the trainer reports it as a bad setting)."""
+class FaultError(ValueError):
+    """A fault spec that cannot be applied (the trainer reports it as a bad setting, in one line)."""
 
 
 @dataclass(frozen=True)

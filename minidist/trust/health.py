@@ -4,8 +4,7 @@
   optimizer writes the bad update into the weights.
 - `replica_hash`: a fingerprint of tensors' exact bytes. Data-parallel replicas must hold bitwise-identical
   parameters; comparing one short string per rank (chapter 07) finds the first step where they drift apart.
-- `check_fp32`: losses are reduced in fp32. A bf16 sum of thousands of per-token losses keeps only 8 bits of
-  mantissa, so the logged loss (and its gradient scale) would depend on the batch size and the layout.
+(That losses are reduced in fp32 is checked where they are reduced: `minidist.precision.check_fp32`.)
 """
 
 from __future__ import annotations
@@ -29,12 +28,6 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
             f"step {step}: {' and '.join(bad)} is not finite; stopping before the optimizer step "
             "(lower --lr, raise --warmup-steps, or set --grad-clip)"
         )
-
-
-def check_fp32(name: str, tensor: torch.Tensor) -> None:
-    """Raise unless `tensor` is fp32: reductions of losses must not happen in a 16-bit type."""
-    if tensor.dtype != torch.float32:
-        raise TypeError(f"{name} must be reduced in float32, got {tensor.dtype}")
 
 
 def replica_hash(tensors: Iterable[torch.Tensor]) -> str:

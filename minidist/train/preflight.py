@@ -1,0 +1,81 @@
+"""Everything the trainer checks before any process group exists: the settings, the layout against the world size,
+the model against the layout, OUT, the fault drill and the device.
+
+Bad input fails here, in one line, before any rank waits for another: a layout that does not divide the world
+size, a batch that does not split over the replicas, a model that cannot be cut over tp ranks or pp stages. The
+checks of the lower layers raise ValueError; this module words every one of them as a ConfigError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minidist.comm.bootstrap import DistEnv, pick_device
+from minidist.comm.topology import ParallelDims
+from minidist.parallel.cp import validate_context_parallel
+from minidist.parallel.ep.expert import validate_expert_parallel
+from minidist.parallel.pp.pipeline import validate_pipeline
+from minidist.parallel.tp.tensor import validate_tensor_parallel
+from minidist.train import run_dir
+from minidist.train.config import ConfigError, TrainConfig, check_config, model_config
+from minidist.trust import faults
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks established: this process's place in the job, the layout and the device."""
+
+    env: DistEnv
+    dims: ParallelDims
+    device: torch.device
+
+
+def preflight(cfg: TrainConfig) -> Preflight:
+    """Every check that needs no process group, in the order a user fixes them; one ConfigError for the first."""
+    check_config(cfg)
+    env = DistEnv.detect()
+    dims = resolve_parallel_dims(cfg, env.world_size)
+    run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
+    try:
+        faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
+        device = pick_device(cfg.device, env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Preflight(env, dims, device)
+
+
+def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The layout of this run, checked against the world size."""
+    rest = cfg.tp * cfg.pp * cfg.cp
+    dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
+    try:
+        dims = ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        dims.validate(world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.batch_size % (dims.dp * cfg.microbatches):
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
+                          f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
+    check_model_split(cfg, dims)
+    return dims
+
+
+def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Chapters 08-11: can the model be cut over tp ranks, pp stages, cp ranks and ep ranks this way?"""
+    mcfg = model_config(cfg)
+    if cfg.sp and dims.tp == 1:
+        raise ConfigError("--sp (sequence parallel) splits the sequence over tensor-parallel ranks: it needs --tp > 1")
+    if dims.pp == 1 and cfg.virtual_stages > 1:
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} cuts each pipeline rank's layers into chunks: "
+                          "it needs --pp > 1")
+    try:
+        validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
+        validate_context_parallel(mcfg, dims.cp, cfg.cp_impl, cfg.seq_len, dims.tp, cfg.sp)
+        validate_expert_parallel(mcfg, dims.ep, dims.dp * dims.cp)
+        if dims.pp > 1:
+            validate_pipeline(mcfg, dims.pp, cfg.microbatches, cfg.virtual_stages, cfg.schedule,
+                              batch_size=cfg.batch_size // dims.dp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
