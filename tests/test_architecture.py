@@ -1,0 +1,196 @@
+"""The package's shape, checked from its source (docs/ARCHITECTURE.md states the rules):
+
+- one import direction, `comm → model → foundations → parallel → trust → train → {plan, debug, convert}`, for every
+  import in the package, those inside functions and under TYPE_CHECKING included; no import cycle;
+- every collective and point-to-point call goes through `minidist.comm` (so the ledger and the flight recorder see
+  every byte): no `torch.distributed` communication call anywhere else;
+- small pieces: no module over 450 lines, no function over 60, at most 8 modules at the top level;
+- the map is the territory: every path docs/ARCHITECTURE.md names exists, and every chapter has its row.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "minidist"
+
+# Layer of each top-level name of the package; a module may import only from its own layer or lower ones.
+LAYERS: dict[str, int] = {
+    "comm": 0,
+    "model": 1,
+    "flops": 2, "memory": 2, "hardware": 2, "precision": 2, "data": 2,  # foundations
+    "parallel": 3,
+    "trust": 4,
+    "train": 5,
+    "plan": 6, "debug": 6, "convert": 6,  # the tools on top: none of them imports another
+}
+LAYER_NAMES = ["comm", "model", "foundations", "parallel", "trust", "train", "plan/debug/convert"]
+
+COMMUNICATION = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+    "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "P2POp", "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "send_object_list",
+    "recv_object_list",
+}
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 450, 60, 8
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def sources() -> dict[str, tuple[Path, ast.Module]]:
+    return {module_name(p): (p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(name: str, tree: ast.Module) -> set[tuple[str, int]]:
+    """(module of the package, line) for every import in `tree`, wherever it stands. `from a import b` counts as
+    an import of a.b when a.b is a module of the package, else of a."""
+    known = sources()
+    package = name if (known[name][0].name == "__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name, node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.add((child if child in known else base, node.lineno))
+    return {(m, line) for m, line in found if m == "minidist" or m.startswith("minidist.")}
+
+
+def top(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_every_top_level_name_has_a_layer() -> None:
+    unplaced = sorted({top(m) for m in sources() if top(m) and top(m) not in LAYERS and top(m) != "__main__"})
+    assert not unplaced, f"modules outside every layer (add them to LAYERS and docs/ARCHITECTURE.md): {unplaced}"
+
+
+def test_imports_go_one_way() -> None:
+    wrong = []
+    for name, (path, tree) in sources().items():
+        if not top(name) or top(name) not in LAYERS:
+            continue
+        here = LAYERS[top(name)]
+        for target, line in sorted(imported_modules(name, tree)):
+            there = LAYERS.get(top(target))
+            if there is None or top(target) == top(name):
+                continue
+            if there > here or (there == here == LAYERS["plan"]):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({LAYER_NAMES[here]}) imports {target} "
+                             f"({LAYER_NAMES[there]})")
+    assert not wrong, "imports against the direction comm → model → foundations → parallel → trust → train → " \
+                      "{plan, debug, convert}:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    graph = {name: {m for m, _ in imported_modules(name, tree) if m in sources() and m != name}
+             for name, (_, tree) in sources().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            pytest.fail("import cycle: " + " -> ".join(cycle), pytrace=False)
+
+
+def distributed_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of every torch.distributed communication call or import of one."""
+    aliases = {"torch.distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and not node.level:
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COMMUNICATION and ast.unparse(node.value) in aliases:
+            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [(node.lineno, f"torch.distributed.{a.name}") for a in node.names if a.name in COMMUNICATION]
+    return found
+
+
+def test_every_byte_goes_through_comm() -> None:
+    direct = [f"{path.relative_to(ROOT)}:{line}: {call}"
+              for name, (path, tree) in sources().items() if top(name) != "comm"
+              for line, call in distributed_calls(tree)]
+    assert not direct, "torch.distributed communication outside minidist/comm/ (use Comm: the ledger and the " \
+                       "flight recorder must see every byte):\n" + "\n".join(direct)
+
+
+def test_the_communication_check_sees_each_spelling() -> None:
+    """The check above would catch a direct call however torch.distributed is imported."""
+    code = ("import torch.distributed as dist\nimport torch\nfrom torch import distributed as d2\n"
+            "from torch.distributed import all_reduce\n"
+            "def f(x):\n    dist.barrier()\n    torch.distributed.send(x, 1)\n    d2.all_gather_into_tensor(x, x)\n"
+            "    dist.get_rank()\n")
+    found = sorted(name for _, name in distributed_calls(ast.parse(code)))
+    assert found == sorted(["torch.distributed.all_reduce", "dist.barrier", "torch.distributed.send",
+                            "d2.all_gather_into_tensor"]), found
+
+
+def test_modules_and_functions_stay_small() -> None:
+    too_long = []
+    for _, (path, tree) in sources().items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {lines} lines (max {MAX_MODULE_LINES})")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines "
+                                    f"(max {MAX_FUNCTION_LINES})")
+    assert not too_long, "\n".join(too_long)
+    top_level = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, f"{len(top_level)} top-level modules: {top_level}"
+
+
+def architecture_text() -> str:
+    return (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+
+
+def test_the_map_names_only_what_exists() -> None:
+    named = set(re.findall(r"`((?:minidist/)?[a-z_]+(?:/[a-z_]+)*(?:\.py|/))`", architecture_text()))
+    missing = sorted(p for p in named if not ((PACKAGE.parent / p).exists() if p.startswith("minidist/")
+                                                else (PACKAGE / p).exists()))
+    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist under minidist/: {missing}"
+
+
+def test_every_chapter_and_package_is_on_the_map() -> None:
+    text = architecture_text()
+    chapters = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    rows = set(re.findall(r"^\| (\d\d)\b", text, re.M))
+    assert not set(chapters) - rows, f"chapters without a row in ARCHITECTURE's chapter table: " \
+                                     f"{sorted(set(chapters) - rows)}"
+    packages = sorted({top(m) for m in sources() if top(m) and top(m) != "__main__"})
+    unmapped = [p for p in packages if f"`{p}/`" not in text and f"`{p}.py`" not in text]
+    assert not unmapped, f"packages and modules ARCHITECTURE.md does not mention: {unmapped}"
