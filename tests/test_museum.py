@@ -3,6 +3,9 @@ diff to the parameters where it lives; switched off, every check passes on the s
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import museum_cases
 import pytest
 
@@ -68,3 +71,11 @@ def test_a_setup_the_lab_cannot_run_is_refused_in_one_line(changes: dict, match:
     with pytest.raises(ValueError, match=match) as info:
         pr.run_many([pr.Setup(**changes)])
     assert "\n" not in str(info.value)
+
+
+def test_every_exhibit_names_modules_that_exist() -> None:
+    """`lives_in` points a reader at the code an exhibit breaks: each module it names is in the package."""
+    package = Path(museum.__file__).resolve().parents[1]
+    for bug in museum.BUGS.values():
+        named = re.findall(r"[a-z_/]+\.py", bug.lives_in)
+        assert named and all((package / path).is_file() for path in named), (bug.name, bug.lives_in)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,13 +31,11 @@ import torch
 
 from minidist.comm.communicator import Handle
 from minidist.debug import grad_diff, tolerance
+from minidist.parallel import assembly
 from minidist.parallel.dp.data_parallel import AllReduceGrads
 from minidist.parallel.placement import Placement, placement_of
 from minidist.parallel.pp.pipeline import PipelineRunner
 from minidist.parallel.tp import tensor as tensor_parallel
-
-# the module, not the function `minidist.parallel.assembly` that the package exports under the same name
-assembly = importlib.import_module("minidist.parallel.assembly")
 
 
 @dataclass(frozen=True)
@@ -153,40 +150,40 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
     Bug("no_sync_never_synced", "gradients never averaged under accumulation",
         "Accumulation with no_sync around every micro-batch, the last one included: the reduction that should "
         "follow the last backward never runs, and each replica steps on the gradient of its own rows.",
-        "parallel/data_parallel.py (AllReduceGrads: the bucket all-reduce)", dict(dp=2, microbatches=2),
+        "parallel/dp/data_parallel.py (AllReduceGrads: the bucket all-reduce)", dict(dp=2, microbatches=2),
         check="replicas", diff="grads", layer=r".*", patch=_never_synced),
     Bug("pipeline_missing_1_over_m", "a missing 1/m in the pipeline loss",
         "The last stage scales each micro-batch's loss sum by 1 / (its own tokens) instead of 1 / (the global "
         "batch's): the gradient is m times too large. Clipping and Adam hide it from the loss curve.",
-        "parallel/pipeline.py (PipelineRunner.step's loss_scale)", dict(pp=2, microbatches=2),
+        "parallel/pp/pipeline.py (PipelineRunner.step's loss_scale)", dict(pp=2, microbatches=2),
         check="grad_norm", diff="grads", layer=r".*", patch=_pipeline_without_1_over_m),
     Bug("grad_norm_tp_replicas", "replicated weights counted once per tp rank in the grad norm",
         "The global norm sums squares over the tp group without dividing a replicated parameter (the RMSNorm "
         "weights) by its number of copies: the norm is too large and every step is clipped too hard.",
-        "parallel/layout.py (grad_norm: Placement.copies)", dict(tp=2),
+        "parallel/placement.py (grad_norm: Placement.copies)", dict(tp=2),
         check="grad_norm", diff="contributions", layer=r"norm\.weight$", patch=_norm_counts_tp_replicas),
     Bug("grad_norm_one_stage", "the grad norm over one pipeline stage only",
         "Each pipeline stage clips by the norm of its own parameters: the stages disagree on the norm and none "
         "of them has the model's.",
-        "parallel/parallelize.py (ParallelModel.grad_pieces: the groups the norm sums over)", dict(pp=2),
+        "parallel/assembly.py (ParallelModel.grad_pieces: the groups the norm sums over)", dict(pp=2),
         check="grad_norm", diff="contributions", layer=r"^(blocks\.1\.|norm\.|lm_head\.)",
         patch=_norm_over_one_stage),
     Bug("tp_init_per_rank_rng", "tp random state drifting apart",
         "Each tp rank draws its shards from its own random state (seed + rank) instead of slicing the one "
         "(seed, name) init: every shard has the right scale, but the full tensor is not the one-process one.",
-        "parallel/tensor.py (apply_tensor_parallel's shards)", dict(tp=2),
+        "parallel/tp/tensor.py (apply_tensor_parallel's shards)", dict(tp=2),
         check="params", diff="params", layer=r"^(?!.*norm\.weight$)", patch=_tp_init_per_rank_rng),
     Bug("vocab_padded_inconsistently", "a vocabulary padded inconsistently",
         "The embedding table is padded to a multiple of 320 rows before it is cut into tp slices, the output "
         "layer is not: rank 1's slice starts 32 rows late. The stdlib corpus has no byte >= 128, so no loss moves; "
         "the first non-ASCII byte reads a wrong row.",
-        "parallel/tensor.py + parallel/vocab.py (the vocabulary slices)", dict(tp=2),
+        "parallel/tp/tensor.py + parallel/tp/vocab.py (the vocabulary slices)", dict(tp=2),
         check="params", diff="params", layer=r"^tok_emb\.weight$", patch=_vocab_padded_inconsistently),
     Bug("token_vs_sample_mean", "token-mean vs sample-mean loss",
         "Each micro-batch's loss is its own token mean and the step's loss the mean of those means: a "
         "micro-batch with a long masked prompt weighs as much as a full one. Equal to the token mean only when "
         "every micro-batch counts the same number of targets.",
-        "parallel/parallelize.py (the loss normalization)", dict(dp=2),
+        "parallel/assembly.py (the loss normalization)", dict(dp=2),
         check="grads", diff="grads", layer=r".*", patch=_sample_mean),
 ]}
 
