@@ -35,11 +35,10 @@ def ledger_diff(totals: dict[tuple[str, str], dict[str, int]],
     """Every (op, group) whose measured bytes differ from the formula's, as (op, group, measured, expected).
 
     `totals` is `minidist.comm.communicator.Ledger.totals()`: {(op, group): {"calls": c, "bytes": b}} for every
-    operation that
-    ran; `expected` is {(op, group): bytes} from the chapter's formulas. Compare over the union of both key sets
-    (an operation the formulas do not list expected 0 bytes; one that never ran measured 0) and return the
-    mismatching rows sorted by (op, group); [] when the ledger agrees with every formula. A data-parallel run
-    whose gradient all-reduce never happened (the museum's no_sync bug) shows up as ("all_reduce", "dp_cp", 0, N).
+    operation that ran; `expected` is {(op, group): bytes} from the chapter's formulas. Compare over the union of both
+    key sets (an operation the formulas do not list expected 0 bytes; one that never ran measured 0) and return the
+    mismatching rows sorted by (op, group); [] when the ledger agrees with every formula. A data-parallel run whose
+    gradient all-reduce never happened (the museum's no_sync bug) shows up as ("all_reduce", "dp_cp", 0, N).
 
     Hints: sorted(set(a) | set(b)); dict.get with a default.
     """

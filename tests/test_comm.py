@@ -1,6 +1,5 @@
 """minidist.comm.communicator, p2p_collectives and cost_model: ring collectives agree with torch's, the ledger's bytes
-equal
-the formulas exactly, the cost model.
+equal the formulas exactly, the cost model.
 
 One launch per world size (2, 3, 4) runs every multi-rank case and returns (category, label, got, expected) rows;
 the tests below check one category each. Inputs are integer-valued, so every sum is exact and comparisons are

@@ -1,6 +1,5 @@
 """--compile (minidist.train.compiling): a one-process run with every block compiled by inductor logs the same losses
-and
-gradient norms as the eager run within fp32 rounding, and the compiled code really ran (dynamo's counters); without
+and gradient norms as the eager run within fp32 rounding, and the compiled code really ran (dynamo's counters); without
 a C++ compiler, --compile on a CPU is refused in one line, never run eagerly in silence."""
 
 import json

@@ -1,7 +1,6 @@
 """Hugging Face Llama checkpoints in and out (minidist.convert.runs): the converted model computes HF's logits, the
-round
-trip minidist -> HF -> minidist is bit for bit, the file formats HF writes are read, hostile input is refused in one
-line. The reference is transformers' LlamaForCausalLM (the `bench` extra), built from the written directory with
+round trip minidist -> HF -> minidist is bit for bit, the file formats HF writes are read, hostile input is refused in
+one line. The reference is transformers' LlamaForCausalLM (the `bench` extra), built from the written directory with
 nothing downloaded."""
 
 import json

@@ -2,8 +2,7 @@
 
 No GPU here, so NCCL's matching (no tags, FIFO per ordered pair, each stream in order, blocking waits) is modelled
 by `minidist.parallel.pp.nccl_model.replay`. The tests check the model itself on tiny programs, replay the executor's
-real
-posting order for every schedule, and show that the same model rejects the executor's order before it posted in
+real posting order for every schedule, and show that the same model rejects the executor's order before it posted in
 steps (commit 91646a4: tagged single isend/irecv, receives posted one RECV action ahead).
 """
 

@@ -1,7 +1,6 @@
 """Replica checks and fault drills (minidist.trust.replicas, minidist.trust.faults): one flipped mantissa bit on one
-copy of a
-replicated parameter is found by comparing hashes at the next check, naming the ranks and the tensor; the loss does
-not show it. Under ZeRO-1 the next all-gather of parameters makes the copies agree again, so the check cannot see a
+copy of a replicated parameter is found by comparing hashes at the next check, naming the ranks and the tensor; the loss
+does not show it. Under ZeRO-1 the next all-gather of parameters makes the copies agree again, so the check cannot see a
 flip once that all-gather has run (the blind spot chapter 13 explains). One launch of 2 ranks runs every case."""
 
 import functools

@@ -1,7 +1,6 @@
 """Resharded resume (minidist.train.reshard): the run arithmetic on its own, then trainer runs stopped with
---stop-after in
-one layout and resumed in another, whose logs must be the uninterrupted one-process run's (rel 1e-5), and whose
-checkpoints, read back whole by `read_full_model`, must be the one-process run's at the same step.
+--stop-after in one layout and resumed in another, whose logs must be the uninterrupted one-process run's (rel 1e-5),
+and whose checkpoints, read back whole by `read_full_model`, must be the one-process run's at the same step.
 
 Chains of 6 steps (each arrow a --stop-after checkpoint, then --resume in the next layout):
 

@@ -147,10 +147,9 @@ class Topology:
     Construction is collective: every rank must build its Topology with the same `dims`, because each
     `dist.new_group` call must be made by all ranks in the same order. With world_size 1 no process group is
     created (`group()` returns None and `minidist.comm.communicator.Comm` treats the group as a single rank).
-    `timeout`: how long
-    any collective of the groups made here may wait for a peer before it raises (None: torch's default, 30 min
-    under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`). `recorder`:
-    the flight recorder every `comm()` records into (None: no recording).
+    `timeout`: how long any collective of the groups made here may wait for a peer before it raises (None: torch's
+    default, 30 min under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
+    `recorder`: the flight recorder every `comm()` records into (None: no recording).
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int,

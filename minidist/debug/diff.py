@@ -11,9 +11,8 @@ from a (NCCL has no tags). So for each group:
   means the ranks are out of step).
 - **point-to-point**: per ordered pair, the i-th send against the i-th receive: shapes and dtypes must agree.
   Then the posts are replayed under NCCL's rules (`minidist.parallel.pp.nccl_model.replay`, each batch as one NCCL
-  group, each
-  single isend/irecv on its pair's stream): ranks stuck on operations towards each other that the peer posted,
-  or sends both ways that neither side's receive will ever meet first, are *an order NCCL cannot match*; a stuck
+  group, each single isend/irecv on its pair's stream): ranks stuck on operations towards each other that the peer
+  posted, or sends both ways that neither side's receive will ever meet first, are *an order NCCL cannot match*; a stuck
   operation whose peer never posted its match is *unmatched* (the ranks disagree on how many messages pass).
 
 A rank that wrote no record is named too (it died, was frozen or killed before it could write). Findings are

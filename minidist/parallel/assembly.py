@@ -84,8 +84,8 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     """This rank's part of a full model built from (seed, names), wrapped with its optimizer; see the module doc.
 
     With `materialize` (`minidist.parallel.materialize.materializer`), `model` is on the meta device: steps 1-4
-    transform
-    its structure, then `materialize` allocates and fills only the parameters this rank kept, before step 5."""
+    transform its structure, then `materialize` allocates and fills only the parameters this rank kept, before step
+    5."""
     loss_fn: Callable = functools.partial(lm_loss, reduction="sum")
     if options.loss_chunk > 0:  # the head moves into a loss that never holds all the logits (tp: vocab-parallel)
         from minidist.model.chunked_loss import apply_chunked_loss

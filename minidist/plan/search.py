@@ -10,8 +10,7 @@ The rules that bound the search (each refused layout is counted with its reason)
 * tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
   whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
-  per rank; pp ≤ layers, the interleaved schedule
-  needs layers divisible by pp·v and micro-batches ≥ pp;
+  per rank; pp ≤ layers, the interleaved schedule needs layers divisible by pp·v and micro-batches ≥ pp;
 * dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;

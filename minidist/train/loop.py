@@ -11,8 +11,7 @@ Read it top to bottom:
    the layout.
 3. `train_step`: forward and backward over the micro-batches, clip, check, step.
 4. `train_loop`: steps, logging (`minidist.train.metrics`), evaluation, checkpoints (`minidist.train.run_state`);
-   `finish`
-   writes the final figures and the loss curve.
+   `finish` writes the final figures and the loss curve.
 
 Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigram entropy, FLOPs per token, the
 peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer

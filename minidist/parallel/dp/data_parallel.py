@@ -28,8 +28,7 @@ What happens to a full bucket is a small strategy object (`GradReduction`): plai
 and the overlap are the same for all of them, in `DataParallel`.
 
 Everything is sent through a `minidist.comm.communicator.Comm` over the group of ranks that hold the same parameters
-(the
-"dp_cp" group of a Topology), so the ledger sees every byte and the wrapper composes with tensor and pipeline
+(the "dp_cp" group of a Topology), so the ledger sees every byte and the wrapper composes with tensor and pipeline
 parallelism: each tp shard / pp stage averages only with its own replicas.
 """
 

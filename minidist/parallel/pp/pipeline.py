@@ -10,14 +10,12 @@ Three pieces:
 2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.pp.schedules` (any schedule: the
    executor does not know which one it runs). Activations and gradients travel point to point through
    `minidist.comm.communicator`, so the ledger sees every byte, in the steps `pipeline_p2p.p2p_program` plans: each a
-   batch that
-   neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up. The
-   last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
-   counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every
-   counted token of the batch, whatever each micro-batch counts (scaling micro-batch means by 1/m is right only
-   when all count the same). A micro-batch's
-   saved activations are released by its backward (nothing else holds them), which is what makes 1F1B's memory
-   smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
+   batch that neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up.
+   The last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
+   counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every counted
+   token of the batch, whatever each micro-batch counts (scaling micro-batch means by 1/m is right only when all count
+   the same). A micro-batch's saved activations are released by its backward (nothing else holds them), which is what
+   makes 1F1B's memory smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
 3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
 
 Every stage recomputes RoPE's cos/sin from the model's rotary buffers for the positions of the micro-batch: only
