@@ -9,13 +9,21 @@ from minidist.flops import count_params
 from minidist.memory import LiveTensorBytes
 from minidist.model import Transformer, build_model, get_preset
 from minidist.model.init import init_value
-from minidist.parallel.materialize import ConstructionComm, build_tp_shard, materialize, meta_model
+from minidist.parallel.materialize import ConstructionComm, materialize, meta_model
 from minidist.parallel.placement import narrow, placement_of
 from minidist.parallel.tp.tensor import apply_tensor_parallel
 
 
 def _full_bytes(param: torch.Tensor) -> int:
     return torch.Size(placement_of(param).full_shape).numel() * param.element_size()
+
+
+def build_tp_shard(cfg, seed: int, tp_rank: int, tp_size: int):
+    """What the trainer does for one tp rank: the structure on the meta device, the tp swap, then only the kept
+    parameters filled from (seed, name)."""
+    model = meta_model(cfg)
+    apply_tensor_parallel(model, cfg, ConstructionComm(tp_rank, tp_size))
+    return materialize(model, cfg, seed, "cpu")
 
 
 def test_llama3_8b_tp8_shard_is_an_eighth_and_needs_no_process_group():

@@ -191,11 +191,6 @@ def _load_stdlib(root: str, val_fraction: float, max_bytes: int | None) -> _Spli
     return _split_files(kept, blobs, val_fraction)
 
 
-def clear_cache() -> None:
-    """Forget the cached standard-library corpus (tests use this to check a fresh load gives the same result)."""
-    _load_stdlib.cache_clear()
-
-
 def _is_binary(data: bytes) -> bool:
     return b"\0" in data[:_BINARY_SNIFF_BYTES]
 

@@ -26,7 +26,6 @@ from minidist.model import ModelConfig, Transformer
 from minidist.model.init import init_value
 from minidist.model.transformer import RotaryEmbedding
 from minidist.parallel.placement import narrow, placement_of
-from minidist.parallel.tp.tensor import apply_tensor_parallel
 
 ZERO_BUFFERS = ("router_bias", "tokens_per_expert", "step_sums")  # MoE's bias and counts start at zero
 
@@ -82,13 +81,3 @@ def meta_model(cfg: ModelConfig) -> Transformer:
 def materializer(cfg: ModelConfig, seed: int, device: str | torch.device) -> Callable[[nn.Module], nn.Module]:
     """What `parallelize` calls once the layout transformations have kept this rank's part of a `meta_model`."""
     return functools.partial(materialize, cfg=cfg, seed=seed, device=device)
-
-
-def build_tp_shard(cfg: ModelConfig, seed: int, tp_rank: int, tp_size: int,
-                   device: str | torch.device = "cpu", comm=None) -> nn.Module:
-    """Tensor-parallel rank `tp_rank` of `tp_size`'s shard of `Transformer(cfg)` initialised from `seed`, built
-    without the full model. `comm` is the tp group's Comm for training (default: a `ConstructionComm`, enough to
-    build and inspect a shard; a forward needs a real one)."""
-    model = meta_model(cfg)
-    apply_tensor_parallel(model, cfg, comm or ConstructionComm(tp_rank, tp_size))
-    return materialize(model, cfg, seed, device)

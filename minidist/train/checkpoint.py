@@ -195,20 +195,6 @@ def load_meta(root: str | os.PathLike, step: int) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(root: str | os.PathLike, step: int, *, rank: int = 0, world_size: int = 1
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(state of `rank`, meta) of the checkpoint at `step`. Every refusal is a one-line ValueError naming the file:
-    another layout, a missing, truncated or altered rank file, or one holding anything but tensors and plain data."""
-    meta = load_meta(root, step)
-    if meta["world_size"] != world_size:
-        raise ValueError(
-            f"checkpoint step {step} was written by {meta['world_size']} rank(s), not {world_size}: its rank files "
-            "are not this layout's (minidist.train.reshard reads a checkpoint of any layout)"
-        )
-    path = Path(root) / step_dir_name(step) / rank_file(rank)
-    return read_rank_file(path, meta["files"][path.name]), meta
-
-
 def read_rank_file(path: Path, recorded: Any, *, mmap: bool = False) -> Any:
     """A rank file's contents, checked first against the size and SHA-256 meta.json `recorded` (`verify_file`).
     `mmap`: map the file instead of reading it, so only the bytes used are read (minidist.train.reshard)."""
