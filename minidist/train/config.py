@@ -347,7 +347,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
                           "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
     if cfg.compile:
-        from minidist.train.compiling import check_can_compile
+        from minidist.train.blocks import check_can_compile
 
         check_can_compile(cfg.device)
     for key in ("weight_decay", "grad_clip"):
