@@ -5,6 +5,7 @@ import pytest
 
 from minidist import hardware
 from minidist.comm.cost_model import cost_terms
+from minidist.plan.step_time import cluster_for_chip
 
 
 def test_one_record_per_chip() -> None:
@@ -47,6 +48,8 @@ def test_link_of_a_group() -> None:
     assert hardware.link_of(dgx, 9) is hardware.LINKS["ib-ndr400"]
     with pytest.raises(ValueError):
         hardware.link_of(dgx, 0)
+    cluster = cluster_for_chip("H100-SXM")  # the planner's cluster crosses the same links by the same rule
+    assert [hardware.link_of(cluster, n) for n in (8, 9)] == [hardware.link_of(dgx, n) for n in (8, 9)]
 
 
 def test_compute_time() -> None:
