@@ -40,8 +40,9 @@ import torch.distributed as dist
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.data.corpus import BatchSampler, load_corpus
+from minidist.memory import storage_bytes
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.parallel import ZeroOptimizer, split_batch, storage_bytes
+from minidist.parallel import ZeroOptimizer, split_batch
 
 VARIANTS = ("minidist_zero0", "ddp", "minidist_zero3", "fsdp2", "minidist_zero1", "minidist_zero2")
 LR, CLIP = 1e-3, 1.0

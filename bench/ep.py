@@ -38,9 +38,10 @@ import torch.distributed as dist
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.data.corpus import BatchSampler, load_corpus
+from minidist.memory import storage_bytes
 from minidist.model import build_model, get_preset
 from minidist.model.moe import moe_layers
-from minidist.parallel import ParallelOptions, parallelize, storage_bytes
+from minidist.parallel import ParallelOptions, parallelize
 from minidist.train.optim import build_optimizer
 
 VARIANTS = ("replicated", "ep")

@@ -22,7 +22,7 @@ import time
 import torch
 
 from minidist.convert.hf_model import ConvertError, to_hf_state
-from minidist.flops import flops_per_token, measure_peak_flops
+from minidist.flops import flops_per_token, measure_matmul_peak
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.config import ModelConfig
 
@@ -100,7 +100,7 @@ def main() -> None:
 
     n_tokens = args.batch * args.seq
     fpt = flops_per_token(cfg, args.seq)
-    peak = measure_peak_flops(torch.float32, size=1024)
+    peak, _ = measure_matmul_peak([(1024, 1024, 1024)], torch.float32)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"preset {args.preset}: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
           f"({cfg.n_kv_heads} kv), batch {args.batch} x seq {args.seq}, torch {torch.__version__}, "

@@ -1,4 +1,4 @@
-"""Parameter counts, FLOPs per token, MFU, and the peak FLOP/s of the chips people train on (chapter 01).
+"""Parameter counts, FLOPs per token, and MFU against the peak FLOP/s it divides by (chapter 01).
 
 Conventions, because published numbers differ mostly by what they choose to count:
 
@@ -16,46 +16,32 @@ Conventions, because published numbers differ mostly by what they choose to coun
 
 Elementwise work (norms, activations, softmax, residual adds, the optimizer) is left out by every convention: it
 is O(d) per token against O(d²) for the matmuls.
+
+The peak FLOP/s that MFU divides by, where it comes from, and an MFU that cannot pass 100%:
+
+* A known GPU: the datasheet's dense bf16 figure (`minidist.hardware.CHIPS`, sources there), matched on the name
+  CUDA reports.
+* A CPU or an unknown GPU: measured. One matmul timed a few times is a poor ceiling (a 1024³ matmul runs ~0.15 s,
+  its best shape is not the model's, and a busy machine at start-up measures low, which gave MFU 115% on a CPU).
+  `measure_matmul_peak` times several shapes, the model's own among them, for at least `min_seconds` in all, and
+  keeps the best rate: on CUDA with CUDA events, on a CPU with the wall clock.
+* A measured peak is still a sample. `MfuMeter` raises it to any rate a step achieved (and says so once), so MFU
+  stays at most 1, and keeps the cumulative figure: total model FLOPs over total step time.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
+from minidist.hardware import datasheet_chip, peak_flops
 from minidist.model.config import ModelConfig
 
-# Dense (no 2:4 sparsity) bf16 peak of one chip, FLOP/s. Vendors print the sparse figure, twice the dense one.
-PEAK_FLOPS_BF16: dict[str, float] = {
-    # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe.
-    "A100": 312e12,
-    # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 SXM BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.
-    "H100-SXM": 989e12,
-    # Same datasheet, H100 PCIe: 1,513 TFLOPS with sparsity -> 756 dense.
-    "H100-PCIe": 756e12,
-    # Same datasheet, H100 NVL (per GPU of the pair): 1,671 TFLOPS with sparsity -> 835 dense (lower clocks, 400 W).
-    "H100-NVL": 835e12,
-    # NVIDIA H800 SXM product brief: the H100 SXM's compute (1,979 TFLOPS sparse bf16) with cut NVLink -> 989.
-    "H800": 989e12,
-    # NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM BF16 1,979 TFLOPS with sparsity -> 989 dense.
-    "H200-SXM": 989e12,
-    # Same datasheet, H200 NVL: 1,671 TFLOPS with sparsity -> 835 dense.
-    "H200-NVL": 835e12,
-    # NVIDIA HGX B200 datasheet (2024): FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2.25 dense.
-    "B200": 2250e12,
-    # Google TPU v4: 275 TFLOPS bf16 per chip (Jouppi et al. 2023; the peak PaLM's MFU is measured against).
-    "TPUv4": 275e12,
-}
-
-
-def peak_flops(chip: str) -> float:
-    """Dense bf16 peak FLOP/s of one chip from `PEAK_FLOPS_BF16`. A CPU has no such entry: use `measure_peak_flops`."""
-    if chip not in PEAK_FLOPS_BF16:
-        raise ValueError(f"no peak FLOP/s for {chip!r}; known chips: {sorted(PEAK_FLOPS_BF16)} "
-                         "(for a CPU, measure matmuls with minidist.peak.measure_matmul_peak)")
-    return PEAK_FLOPS_BF16[chip]
-
+MFU_CONVENTION = ("model FLOPs per token = 6*N (matmul parameters incl. the output head, not the input "
+                  "embedding) + causal attention (T+1)/2 unmasked pairs per token, fwd+bwd; no recomputation")
 
 # ------------------------------------------------------------------------------------------------------------------
 # parameter counts, by component
@@ -232,7 +218,7 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     """Model FLOPs utilization (PaLM, Appendix B): achieved model FLOP/s over the peak FLOP/s of the hardware used.
 
     Give the peak of all chips together (per-chip peak × chips) with the throughput of the whole job. On a CPU,
-    pass a peak measured with `measure_peak_flops`: the result is then relative to the best matmul that machine
+    pass a peak measured with `measure_matmul_peak`: the result is then relative to the best matmul that machine
     does, not to a datasheet figure.
     """
     if peak_flops <= 0:
@@ -240,26 +226,112 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     return tokens_per_second * flops_per_token / peak_flops
 
 
-def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int = 2048, device: str | torch.device = "cpu",
-                       repeats: int = 5, warmup: int = 2) -> float:
-    """FLOP/s of a square [size, size] @ [size, size] matmul on `device`: 2·size³ over the fastest of `repeats` runs.
+# ------------------------------------------------------------------------------------------------------------------
+# the peak MFU divides by, measured where no datasheet applies, and the meter
 
-    A CPU has no meaningful datasheet peak for our purposes (it depends on cores, clocks, vector width and the BLAS
-    library), so MFU on a CPU is reported against this measured matmul peak. It is an achievable ceiling, not the
-    theoretical one: an MFU against it says how close the model gets to the machine's own best large matmul.
-    """
-    if size < 1 or repeats < 1:
-        raise ValueError(f"size and repeats must be >= 1, got size={size}, repeats={repeats}")
-    device = torch.device(device)
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(warmup + repeats):
-        sync()
+
+def model_matmul_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:
+    """The (m, k, n) of the model's own forward matmuls for `tokens` tokens: qkv, the feed-forward, the head."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    shapes = [(tokens, d, cfg.n_heads * cfg.head_dim), (tokens, d, kv), (tokens, d, cfg.d_ff),
+              (tokens, cfg.d_ff, d), (tokens, d, cfg.vocab_size)]
+    return sorted(set(shapes))
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """A function that runs `fn` `n` times and returns the seconds it took on `device`."""
+    if device.type == "cuda":
+        def run(fn: Callable[[], object], n: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3  # ms -> s
+        return run
+
+    def run_cpu(fn: Callable[[], object], n: int) -> float:
         start = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 2.0 * size**3 / min(times)
+        for _ in range(n):
+            fn()
+        return time.perf_counter() - start
+    return run_cpu
+
+
+def measure_matmul_peak(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu",
+                        min_seconds: float = 1.0) -> tuple[float, tuple[int, int, int]]:
+    """The best FLOP/s (2·m·k·n per matmul) over `shapes`, each timed in batches for min_seconds/len(shapes) after
+    one warm-up batch; returns (FLOP/s, the shape that reached it)."""
+    if not shapes or min_seconds <= 0:
+        raise ValueError(f"need at least one shape and min_seconds > 0, got {len(shapes)} shapes, {min_seconds}")
+    device = torch.device(device)
+    timer, budget = _timer(device), min_seconds / len(shapes)
+    best, best_shape = 0.0, shapes[0]
+    for m, k, n in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        fn = functools.partial(torch.mm, a, b)
+        reps = 1
+        timer(fn, 1)  # warm-up: allocation, kernel selection
+        spent = 0.0
+        while spent < budget:
+            seconds = timer(fn, reps)
+            spent += seconds
+            if seconds > 0 and 2.0 * m * k * n * reps / seconds > best:
+                best, best_shape = 2.0 * m * k * n * reps / seconds, (m, k, n)
+            reps = min(reps * 2, 64) if seconds < budget / 8 else reps  # batches long enough to time well
+    return best, best_shape
+
+
+def peak_for_device(device: torch.device, dtype: str, override: float | None, cfg: ModelConfig,
+                    tokens: int, min_seconds: float = 1.0) -> tuple[float, str]:
+    """Peak FLOP/s of one device for MFU and its source: --peak-flops, the datasheet of a known GPU, else measured
+    over square shapes and the model's own matmuls (`tokens` per micro-batch)."""
+    if override:
+        return override, "set by --peak-flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        chip = datasheet_chip(name)
+        if chip is not None:
+            return peak_flops(chip), f"datasheet dense bf16 peak of {chip} ({name}); see minidist/hardware.py"
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    shapes = [(s, s, s) for s in (512, 1024, 2048)] + model_matmul_shapes(cfg, tokens)
+    peak, (m, k, n) = measure_matmul_peak(shapes, torch_dtype, device, min_seconds)
+    return peak, (f"measured {device.type} {dtype} matmul peak: best of {len(shapes)} shapes (squares and the "
+                  f"model's own) over >= {min_seconds:g} s, reached at {m}x{k}x{n}")
+
+
+class MfuMeter:
+    """MFU per step and cumulative, against a peak that a step's achieved rate raises (so MFU <= 1 always)."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float) -> None:
+        if peak_flops <= 0:
+            raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops  # of the whole job: per-device peak × devices
+        self.raised_from: float | None = None
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def step(self, tokens: int, seconds: float, count: bool = True) -> tuple[float, str | None]:
+        """This step's MFU, and a message the first time a step beat the peak (which then becomes the peak).
+        count=False leaves the step out of the cumulative figure (the first step pays one-time costs)."""
+        achieved = tokens * self.flops_per_token / seconds
+        message = None
+        if achieved > self.peak:
+            if self.raised_from is None:
+                message = (f"note: a step reached {achieved / 1e9:,.1f} GFLOP/s, above the peak "
+                           f"{self.peak / 1e9:,.1f}; the peak is raised to what was achieved (MFU stays <= 100%)")
+                self.raised_from = self.peak
+            self.peak = achieved
+        if count:
+            self.tokens += tokens
+            self.seconds += seconds
+        return achieved / self.peak, message
+
+    @property
+    def cumulative(self) -> float:
+        """Total model FLOPs over total counted step time, against the final peak."""
+        return self.tokens * self.flops_per_token / (self.seconds * self.peak) if self.seconds else 0.0

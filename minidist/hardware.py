@@ -1,4 +1,5 @@
-"""The links of real training machines, for predicting compute and communication time (chapters 07-09).
+"""The chips and links of real training machines, for predicting compute and communication time (chapters 01,
+07-09, 12).
 
 The course runs on CPUs, where the "network" is shared memory; these figures say what the same bytes cost on the
 hardware large models train on. A `Link` is one GPU's share of an interconnect: its bandwidth in bytes per second,
@@ -11,21 +12,19 @@ The α values are the per-step latencies of NCCL's own cost model for its ring a
 9.6 µs over the network). They are model inputs of an order of magnitude, not measurements: for messages of
 megabytes, β dominates anyway.
 
-Chip peaks are `minidist.flops.PEAK_FLOPS_BF16` (dense bf16), imported, not copied.
+A `Chip` is one record per accelerator: its dense peak FLOP/s (the MFU denominator, `minidist.flops`), its memory,
+the links of its usual node, and the name CUDA reports for it. `CHIPS` is the one table of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from minidist.comm.cost_model import alpha_beta_time
-from minidist.flops import PEAK_FLOPS_BF16, peak_flops
-
-__all__ = ["CHIP_LINKS", "CHIP_MEMORY", "LINKS", "MACHINES", "PEAK_FLOPS_BF16", "Link", "Machine", "collective_time",
-           "compute_time", "link_of"]
 
 GB = 1e9  # vendors' GB are 10^9 bytes
-
+GIB = 2**30
 
 @dataclass(frozen=True)
 class Link:
@@ -64,42 +63,111 @@ LINKS: dict[str, Link] = {
 
 
 @dataclass(frozen=True)
+class Chip:
+    """One accelerator: its dense (no 2:4 sparsity) peak FLOP/s by dtype, its memory in bytes, the links of its
+    usual node (`intra` inside, `inter` across, one network port per GPU) and `device_name`, the part of the name
+    `torch.cuda.get_device_name` reports that identifies it. A chip the planner cannot place in a node (no memory
+    or link figures) leaves those None."""
+
+    name: str
+    dense_peak: dict[str, float] = field(hash=False)
+    memory_bytes: float | None = None
+    intra: Link | None = None
+    inter: Link | None = None
+    device_name: str | None = None
+
+
+# Vendors print the sparse peak, twice the dense one. HBM is sized in binary units (an "80GB" H100 reports 81,559
+# MiB); the H200's 141 GB and the B200's 180 GB are quoted as decimal. PCIe and NVL cards are paired or bridged, not
+# switched: their ranks beyond a pair talk over PCIe. The table is in the order device names are matched: the first
+# chip whose `device_name` is part of the reported name wins, so the more specific names ("H100 NVL", "H100 PCIe")
+# come before the bare "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3").
+CHIPS: tuple[Chip, ...] = (
+    # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe.
+    # 80GB.
+    Chip("A100", {"bf16": 312e12}, 80 * GIB, LINKS["nvlink3"], LINKS["ib-hdr200"], "A100"),
+    # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 NVL (per GPU of the pair): 1,671 TFLOPS with sparsity ->
+    # 835 dense (lower clocks, 400 W). 94GB.
+    Chip("H100-NVL", {"bf16": 835e12}, 94 * GIB, LINKS["pcie5"], LINKS["ib-ndr400"], "H100 NVL"),
+    # Same datasheet, H100 PCIe: 1,513 TFLOPS with sparsity -> 756 dense. 80GB.
+    Chip("H100-PCIe", {"bf16": 756e12}, 80 * GIB, LINKS["pcie5"], LINKS["ib-ndr400"], "H100 PCIe"),
+    # Same datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989. 80GB.
+    Chip("H100-SXM", {"bf16": 989e12}, 80 * GIB, LINKS["nvlink4"], LINKS["ib-ndr400"], "H100"),
+    # NVIDIA H800 SXM product brief: the H100 SXM's compute (1,979 TFLOPS sparse bf16) with cut NVLink -> 989. 80GB.
+    Chip("H800", {"bf16": 989e12}, 80 * GIB, LINKS["nvlink4-h800"], LINKS["ib-ndr400"], "H800"),
+    # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 NVL: 1,671 TFLOPS with sparsity -> 835 dense. 141GB.
+    Chip("H200-NVL", {"bf16": 835e12}, 141e9, LINKS["pcie5"], LINKS["ib-ndr400"], "H200 NVL"),
+    # Same datasheet, H200 SXM: BF16 1,979 TFLOPS with sparsity -> 989 dense. 141GB.
+    Chip("H200-SXM", {"bf16": 989e12}, 141e9, LINKS["nvlink4"], LINKS["ib-ndr400"], "H200"),
+    # NVIDIA HGX B200 datasheet (2024): FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2.25 dense.
+    # 180GB per GPU of an HGX B200.
+    Chip("B200", {"bf16": 2250e12}, 180e9, LINKS["nvlink5"], LINKS["ib-ndr400"], "B200"),
+    # Google TPU v4: 275 TFLOPS bf16 per chip (Jouppi et al. 2023; the peak PaLM's MFU is measured against).
+    Chip("TPUv4", {"bf16": 275e12}),
+)
+
+
+def chip(name: str) -> Chip:
+    """The record of chip `name` (a `Chip.name` of `CHIPS`)."""
+    for c in CHIPS:
+        if c.name == name:
+            return c
+    raise ValueError(f"no figures for chip {name!r}; known chips: {sorted(c.name for c in CHIPS)} "
+                     "(for a CPU, measure matmuls with minidist.flops.measure_matmul_peak)")
+
+
+def peak_flops(name: str, dtype: str = "bf16") -> float:
+    """Dense peak FLOP/s of one chip in `dtype`, from its datasheet. A CPU has none: use `flops.measure_matmul_peak`."""
+    record = chip(name)
+    if dtype not in record.dense_peak:
+        raise ValueError(f"no {dtype} peak for {name!r}; it has {sorted(record.dense_peak)}")
+    return record.dense_peak[dtype]
+
+
+def datasheet_chip(device_name: str) -> str | None:
+    """The chip a CUDA device name is (`Chip.name`), or None for a chip we have no datasheet figures for."""
+    return next((c.name for c in CHIPS if c.device_name is not None and c.device_name in device_name), None)
+
+
+def node_chips() -> list[str]:
+    """The chips with memory and link figures, which a planner's cluster can be made of (sorted)."""
+    return sorted(c.name for c in CHIPS if c.memory_bytes is not None and c.intra is not None)
+
+
+class Node(Protocol):
+    """What decides a group's link: nodes of `gpus_per_node` chips joined by `intra`, nodes joined by `inter`."""
+
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+
+@dataclass(frozen=True)
 class Machine:
     """A node of `gpus_per_node` chips joined by `intra`, nodes joined by `inter` (one network port per GPU)."""
 
     chip: str
     gpus_per_node: int
-    intra: str
-    inter: str
+    intra: Link
+    inter: Link
 
     @property
     def peak_flops(self) -> float:
         return peak_flops(self.chip)
 
 
-MACHINES: dict[str, Machine] = {
-    "dgx-h100": Machine("H100-SXM", 8, "nvlink4", "ib-ndr400"),
-    "dgx-a100": Machine("A100", 8, "nvlink3", "ib-hdr200"),
-}
-
-# A chip's usual node for the planner (`minidist.plan.search`): its NVLink inside, one network port per GPU across.
-# PCIe and NVL cards are paired or bridged, not switched: their ranks beyond a pair talk over PCIe.
-CHIP_LINKS: dict[str, tuple[str, str]] = {
-    "A100": ("nvlink3", "ib-hdr200"), "H100-SXM": ("nvlink4", "ib-ndr400"), "H100-PCIe": ("pcie5", "ib-ndr400"),
-    "H100-NVL": ("pcie5", "ib-ndr400"), "H800": ("nvlink4-h800", "ib-ndr400"), "H200-SXM": ("nvlink4", "ib-ndr400"),
-    "H200-NVL": ("pcie5", "ib-ndr400"), "B200": ("nvlink5", "ib-ndr400"),
-}
-
-GIB = 2**30
-# Memory of one chip in bytes (datasheets: A100 80GB, H100 SXM/PCIe 80GB, H100 NVL 94GB, H800 80GB, H200 141GB,
-# B200 180GB per GPU of an HGX B200). HBM is sized in binary units (an "80GB" H100 reports 81,559 MiB).
-CHIP_MEMORY: dict[str, float] = {
-    "A100": 80 * GIB, "H100-SXM": 80 * GIB, "H100-PCIe": 80 * GIB, "H100-NVL": 94 * GIB, "H800": 80 * GIB,
-    "H200-SXM": 141e9, "H200-NVL": 141e9, "B200": 180e9,
-}
+def machine_of(name: str, gpus_per_node: int = 8) -> Machine:
+    """Nodes of `gpus_per_node` chips `name` with the chip's usual links."""
+    record = chip(name)
+    if record.intra is None or record.inter is None:
+        raise ValueError(f"no link figures for chip {name!r}; choose one of {node_chips()}")
+    return Machine(name, gpus_per_node, record.intra, record.inter)
 
 
-def link_of(machine: Machine, group_size: int) -> Link:
+MACHINES: dict[str, Machine] = {"dgx-h100": machine_of("H100-SXM"), "dgx-a100": machine_of("A100")}
+
+
+def link_of(node: Node, group_size: int) -> Link:
     """The link that limits a ring over `group_size` consecutive GPUs: NVLink inside a node, the network beyond.
 
     A ring that leaves the node crosses the network, and each GPU's traffic goes through its own port, so the
@@ -107,7 +175,7 @@ def link_of(machine: Machine, group_size: int) -> Link:
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    return LINKS[machine.intra if group_size <= machine.gpus_per_node else machine.inter]
+    return node.intra if group_size <= node.gpus_per_node else node.inter
 
 
 def collective_time(op: str, nbytes: float, p: int, link: Link) -> float:

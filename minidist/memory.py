@@ -1,93 +1,189 @@
-"""Memory: what a rank holds and for how long (the trainer's peak, activation recomputation, tensor accounting).
+"""Memory in bytes: what training holds, by part, from the shapes alone (chapter 01), and the counters that measure
+what torch really holds.
 
-* `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated` (the caching allocator's count of live tensor
-  bytes at their peak). A CPU has no such counter, so the documented substitute is the process's peak resident set
-  size (`getrusage(RUSAGE_SELF).ru_maxrss`): it also counts the interpreter, the libraries and freed-but-cached
-  pages, so it is an upper bound of the tensor bytes, never below them.
-* `apply_recompute`: activation checkpointing of every block (Chen et al. 2016, "Training Deep Nets with Sublinear
-  Memory Cost"): the forward keeps only each block's input, the backward runs the block again to rebuild what it
-  needs. Activation memory falls from every block's saved tensors to one [B, T, d] input per block, for one more
-  forward per step (Korthikanti et al. 2022, §4: "full recomputation").
-* `SavedTensorBytes`: the bytes autograd keeps for the backward (distinct storages), against `memory_model`.
+Formulas:
+
+* Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  §3.1 and §5): mixed-precision Adam holds 16-bit parameters and gradients (2 + 2 bytes per parameter) and, in fp32,
+  a master copy of the parameters and the two Adam moments (4 + 4 + 4 = 12 bytes): 16 bytes per parameter. Plain
+  fp32 training holds 4 + 4 + 8 = 16 bytes too, without the master copy. ZeRO shards the optimizer state over the
+  data-parallel replicas from stage 1, the gradients from stage 2, the parameters at stage 3 (`model_state_bytes`).
+* Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4):
+  a GPT layer in 16-bit saves s·b·h·(34 + 5·a·s/h) bytes for the backward; the 5·a·s²·b part (softmax output,
+  its dropout mask and the dropout output) is what a fused attention kernel (FlashAttention, SDPA) does not keep.
+  `activation_bytes_per_layer` counts the same thing for this course's Llama block, tensor by tensor.
+
+Counters, all on one core (`StorageBytes`: distinct storages, each counted once however many tensors view it, from
+when it is first seen until torch frees it; `PeakBytes`: bytes now and at their peak):
+
+* `storage_bytes`: the bytes of the distinct storages behind some tensors (a view into a flat buffer counts once).
 * `LiveTensorBytes`: tensor accounting on any device: every tensor an operator creates is counted until its
   storage is freed, so `peak` and `current` are exact byte counts of what torch allocated inside the context.
-* `PeakSavedBytes`: the bytes autograd holds for the backward at their peak: a saved storage counts from the first
-  time it is saved until it is freed. With several micro-batches in flight (a pipeline) this is the activation
-  memory the memory model (`memory_estimate`) predicts.
+* `PeakSavedBytes`: the bytes autograd saves for the backward: `total` every storage saved (against the formulas
+  above), `current` and `peak` those alive at once (a saved storage counts until the backward that used it frees
+  it). With several micro-batches in flight (a pipeline) the peak is the activation memory the memory model
+  (`plan.rank_memory`) predicts.
 """
 
 from __future__ import annotations
 
-import functools
-import resource
-import sys
 import weakref
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
+
+from minidist.model.config import ModelConfig
+
+# ------------------------------------------------------------------------------------------------------------------
+# formulas, from the shapes
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory so far: CUDA tensor bytes on a GPU, peak resident set size on a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux kilobytes
+def check_zero_stage(stage: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
-def peak_memory_per_rank(device: torch.device, world_size: int) -> list[int]:
-    """Every rank's `peak_memory_bytes`, in rank order (one small all-gather when world_size > 1)."""
-    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
-    if world_size == 1:
-        return [int(mine.item())]
-    out = torch.empty(world_size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine)
-    return [int(v) for v in out.tolist()]
+def model_state_bytes(n_params: int, param_bytes: float = 2, grad_bytes: float = 2, master_bytes: float = 4,
+                      optimizer_bytes: float = 8, zero: int = 0, dp: int = 1) -> dict[str, float]:
+    """Bytes of parameters, gradients, fp32 master copy and optimizer state (AdamW: two moments) that one rank
+    holds for n_params, at ZeRO stage `zero` over `dp` data-parallel replicas (ZeRO §5, Figure 1).
 
-
-def _recomputed_forward(forward, *args, **kwargs):
-    # use_reentrant=False: the supported implementation; keeps the RNG state and works with keyword arguments.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def apply_recompute(model: nn.Module) -> nn.Module:
-    """Recompute every block of `model.blocks` in the backward (in place; names and parameters unchanged).
-
-    The block's own forward is wrapped, not the block replaced, so parameter names, the layout transformations
-    that swap sub-modules (tensor, expert parallel) and pipeline stages that call blocks all keep working.
+    Defaults: bf16 mixed precision, 2 + 2 + 4 + 8 = 16 bytes per parameter (ZeRO §3.1). Plain fp32 AdamW:
+    param_bytes=4, grad_bytes=4, master_bytes=0 (the parameters are the master copy). ZeRO shards the master copy
+    and the optimizer state from stage 1, the gradients from stage 2, the parameters at stage 3. Leaves out the
+    optimizer's per-tensor step counters and the allocator's rounding.
     """
-    for block in model.blocks:
-        block.forward = functools.partial(_recomputed_forward, block.forward)
-    return model
+    check_zero_stage(zero)
+    if dp < 1 or n_params < 0:
+        raise ValueError(f"need dp >= 1 and n_params >= 0, got dp={dp}, n_params={n_params}")
+
+    def held(nbytes: float, from_stage: int) -> float:
+        return nbytes * n_params / dp if zero >= from_stage else nbytes * n_params
+
+    parts = {"params": held(param_bytes, 3), "grads": held(grad_bytes, 2), "master": held(master_bytes, 1),
+             "optimizer": held(optimizer_bytes, 1)}
+    parts["total"] = sum(parts.values())
+    return parts
 
 
-class LiveTensorBytes(TorchDispatchMode):
+def korthikanti_activation_bytes(seq_len: int, batch: int, d_model: int, n_heads: int, flash: bool = False) -> int:
+    """Korthikanti et al. 2022 §4, one GPT layer in 16-bit, no parallelism: s·b·h·(34 + 5·a·s/h) bytes.
+
+    flash=True drops the 5·a·s²·b term (a fused kernel recomputes the scores in the backward instead of keeping
+    the s × s softmax, its dropout mask and output); the per-row softmax statistics it keeps are O(s), left out.
+    """
+    s, b, h, a = seq_len, batch, d_model, n_heads
+    return s * b * h * 34 + (0 if flash else 5 * a * s * s * b)
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, batch: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes one `minidist.model.Block` (RMSNorm, GQA with RoPE and fused SDPA, SwiGLU; no dropout) saves for
+    the backward, by part, with activations of dtype_bytes (2: bf16, 4: fp32).
+
+    Derived from what autograd saves for each operator of the block:
+    * each RMSNorm: its input upcast to fp32 (4·bsh), 1/rms (4·bs, fp32), the normalized tensor before the gain
+      and the output (the linear layers' input), dtype_bytes·bsh each;
+    * attention: q (bsh), k and v (b·s·kv_heads·head_dim each), SDPA's output and its contiguous copy (the output
+      projection's input), plus the fused kernel's fp32 log-sum-exp (4·b·heads·s) — no s × s tensor;
+    * SwiGLU: the two up-projections, the SiLU output and the product (the down-projection's input), bsf each.
+    Not in it: RoPE's cos/sin (shared by all layers), the embedding, final norm, logits and loss.
+    """
+    s, b, h, p = seq_len, batch, cfg.d_model, dtype_bytes
+    kv = cfg.n_kv_heads * cfg.head_dim
+    norms = 2 * (4 * b * s * h + 4 * b * s + 2 * p * b * s * h)
+    attention = p * (3 * b * s * h + 2 * b * s * kv) + 4 * b * cfg.n_heads * s
+    mlp = 4 * p * b * s * cfg.d_ff
+    return {"norms": norms, "attention": attention, "mlp": mlp, "total": norms + attention + mlp}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# counters, measured
+
+
+class PeakBytes:
+    """Bytes now (`current`) and the most at once (`peak`): `add` when memory is taken, `sub` when it is given back
+    (ZeRO's gathered units and in-flight gradient buckets count themselves this way)."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+class StorageBytes(PeakBytes):
+    """The counting core: distinct storages, each counted once however many tensors view it. `count(t)` adds the
+    storage behind `t` if it is new; with `until_freed` it leaves `current` when torch frees it (else the caller
+    holds every tensor counted, and `current` is their bytes). `storages`: the counted storages still alive, by
+    key, with their bytes; `total`: every byte ever counted. Meta and empty storages hold no bytes and are skipped."""
+
+    def __init__(self, until_freed: bool = True) -> None:
+        super().__init__()
+        self.until_freed = until_freed
+        self.storages: dict[int, int] = {}
+        self.total = 0
+
+    def count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, size = storage._cdata, storage.nbytes()
+        if key in self.storages or not size or storage.device.type == "meta":
+            return
+        self.storages[key] = size
+        self.total += size
+        self.add(size)
+        if self.until_freed:
+            weakref.finalize(storage, self._freed, key, size)
+
+    def _freed(self, key: int, size: int) -> None:
+        if self.storages.pop(key, None) is not None:
+            self.sub(size)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors`: a view into a flat buffer is not counted twice."""
+    counter = StorageBytes(until_freed=False)
+    for t in tensors:
+        if t is not None:
+            counter.count(t)
+    return counter.total
+
+
+class _CountedBytes:
+    """`current`, `peak`, `total` and `storages` of a context's `StorageBytes` (`self.counted`)."""
+
+    counted: StorageBytes
+
+    @property
+    def current(self) -> int:
+        return self.counted.current
+
+    @property
+    def peak(self) -> int:
+        return self.counted.peak
+
+    @property
+    def total(self) -> int:
+        return self.counted.total
+
+    @property
+    def storages(self) -> dict[int, int]:
+        """The counted storages still alive, by key, with their bytes."""
+        return self.counted.storages
+
+
+class LiveTensorBytes(TorchDispatchMode, _CountedBytes):
     """Counts the bytes of every tensor storage created inside the context while it is alive: `current` now,
     `peak` the most at once. Storages that existed before (the parameters) are not counted."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.current = self.peak = 0
-        self._seen: dict[int, weakref.ref] = {}
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self._seen or storage.device.type == "meta":
-            return
-        size = storage.nbytes()
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        self._seen[key] = weakref.ref(storage, functools.partial(self._free, key, size))
-
-    def _free(self, key: int, size: int, _ref: weakref.ref) -> None:
-        self.current -= size
-        self._seen.pop(key, None)
+        self.counted = StorageBytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -95,36 +191,13 @@ class LiveTensorBytes(TorchDispatchMode):
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_sparse and t.untyped_storage()._cdata not in inputs:
-                self._track(t)
+                self.counted.count(t)
         return out
 
 
-class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of the distinct storages autograd saves for the backward inside the context (`nbytes`),
-    leaving out those of the tensors in `exclude` (parameters, buffers shared by every layer)."""
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages: dict[int, int] = {}
-        super().__init__(self._pack, lambda t: t)
-
-    def __enter__(self) -> SavedTensorBytes:
-        super().__enter__()
-        return self
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self._skip:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
-
-
-class PeakSavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """The bytes of the distinct storages saved for the backward that are alive at once: `current` and `peak`.
+class PeakSavedBytes(torch.autograd.graph.saved_tensors_hooks, _CountedBytes):
+    """The bytes of the distinct storages autograd saves for the backward inside the context: `total` all of them,
+    `current` and `peak` those alive at once.
 
     A storage counts from the first time autograd saves it until it is freed (the backward that used it dropped it
     and nothing else holds it). The storages of `params` (read at every save: a ZeRO-3 unit gathered just in time
@@ -134,8 +207,7 @@ class PeakSavedBytes(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, params: Iterable[torch.Tensor] = (), exclude: Iterable[torch.Tensor] = ()) -> None:
         self._params = list(params)
         self._skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self._live: dict[int, int] = {}
-        self.current = self.peak = 0
+        self.counted = StorageBytes()
         super().__init__(self._pack, lambda t: t)
 
     def __enter__(self) -> PeakSavedBytes:
@@ -144,18 +216,9 @@ class PeakSavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        key, ptr = storage._cdata, storage.data_ptr()
-        if key in self._live or ptr in self._skip or storage.device.type == "meta" or not storage.nbytes():
+        if storage._cdata in self.counted.storages:  # counted already: skip the parameter check
             return t
-        if any(p.untyped_storage().data_ptr() == ptr for p in self._params):
-            return t
-        size = storage.nbytes()
-        self._live[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key, size)
+        ptr = storage.data_ptr()
+        if ptr not in self._skip and all(p.untyped_storage().data_ptr() != ptr for p in self._params):
+            self.counted.count(t)
         return t
-
-    def _free(self, key: int, size: int) -> None:
-        if self._live.pop(key, None) is not None:
-            self.current -= size

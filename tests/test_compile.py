@@ -1,4 +1,4 @@
-"""--compile (minidist.train.compiling): a one-process run with every block compiled by inductor logs the same losses
+"""--compile (minidist.train.blocks): a one-process run with every block compiled by inductor logs the same losses
 and gradient norms as the eager run within fp32 rounding, and the compiled code really ran (dynamo's counters); without
 a C++ compiler, --compile on a CPU is refused in one line, never run eagerly in silence."""
 
@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from minidist.model import build_model, get_preset
 from minidist.train import loop as train
-from minidist.train.compiling import compile_blocks, compiled_blocks
+from minidist.train.blocks import compile_blocks, compiled_blocks
 from minidist.train.config import ConfigError, parse_config
 from tests.test_train import small_config
 

@@ -1,15 +1,25 @@
-"""minidist.hardware: the link table's units, its use of the α-β model, and the chip peaks it shares with flops."""
+"""minidist.hardware: one record per chip (its peak, memory, links and CUDA name), the link table's units, its use
+of the α-β model, and the one rule for which link a group crosses."""
 
 import pytest
 
-from minidist import flops, hardware
+from minidist import hardware
 from minidist.comm.cost_model import cost_terms
+from minidist.plan.step_time import cluster_for_chip
 
 
-def test_peaks_are_the_flops_tables_own() -> None:
-    assert hardware.PEAK_FLOPS_BF16 is flops.PEAK_FLOPS_BF16
+def test_one_record_per_chip() -> None:
+    names = [chip.name for chip in hardware.CHIPS]
+    assert len(names) == len(set(names))
     for machine in hardware.MACHINES.values():
-        assert machine.peak_flops == flops.peak_flops(machine.chip)
+        chip = hardware.chip(machine.chip)
+        assert machine.peak_flops == chip.dense_peak["bf16"] == hardware.peak_flops(machine.chip)
+        assert (machine.intra, machine.inter) == (chip.intra, chip.inter)
+    assert hardware.MACHINES["dgx-h100"].intra is hardware.LINKS["nvlink4"]
+    assert hardware.chip("H200-SXM").memory_bytes == 141e9 and hardware.chip("A100").memory_bytes == 80 * 2**30
+    assert "TPUv4" not in hardware.node_chips() and "H800" in hardware.node_chips()  # TPU v4: a peak, no node
+    with pytest.raises(ValueError, match="known chips"):
+        hardware.chip("cpu")
 
 
 def test_link_units() -> None:
@@ -38,6 +48,8 @@ def test_link_of_a_group() -> None:
     assert hardware.link_of(dgx, 9) is hardware.LINKS["ib-ndr400"]
     with pytest.raises(ValueError):
         hardware.link_of(dgx, 0)
+    cluster = cluster_for_chip("H100-SXM")  # the planner's cluster crosses the same links by the same rule
+    assert [hardware.link_of(cluster, n) for n in (8, 9)] == [hardware.link_of(dgx, n) for n in (8, 9)]
 
 
 def test_compute_time() -> None:

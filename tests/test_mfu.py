@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minidist import flops, peak
+from minidist import flops, hardware
 from minidist.model import get_preset
 from minidist.train import loop as train
 from tests.test_train import small_config
@@ -44,30 +44,30 @@ def test_causal_count_equals_a_masked_matmul_count():
 
 
 def test_datasheet_peaks_and_device_names():
-    table = flops.PEAK_FLOPS_BF16
+    table = {chip.name: hardware.peak_flops(chip.name) for chip in hardware.CHIPS}
     assert table["H100-NVL"] == table["H200-NVL"] == 835e12 < table["H100-SXM"] == table["H200-SXM"]
     assert table["H100-PCIe"] < table["H100-NVL"] and table["B200"] > 2 * table["H100-SXM"]
     names = {"NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA H100 PCIe": "H100-PCIe", "NVIDIA H100 NVL": "H100-NVL",
              "NVIDIA H200": "H200-SXM", "NVIDIA H200 NVL": "H200-NVL", "NVIDIA A100-SXM4-80GB": "A100",
              "NVIDIA H800": "H800", "NVIDIA B200": "B200", "NVIDIA GeForce RTX 4090": None}
-    assert {name: peak.datasheet_chip(name) for name in names} == names
+    assert {name: hardware.datasheet_chip(name) for name in names} == names
 
 
 def test_measured_peak_takes_at_least_the_time_asked_over_all_shapes():
-    shapes = [(64, 64, 64), (128, 256, 64)] + peak.model_matmul_shapes(get_preset("tiny"), 256)
+    shapes = [(64, 64, 64), (128, 256, 64)] + flops.model_matmul_shapes(get_preset("tiny"), 256)
     start = time.perf_counter()
-    best, shape = peak.measure_matmul_peak(shapes, min_seconds=0.3)
+    best, shape = flops.measure_matmul_peak(shapes, min_seconds=0.3)
     assert time.perf_counter() - start >= 0.3
     assert shape in shapes and 1e6 < best < 100e12
-    assert (256, 128, 384) in peak.model_matmul_shapes(get_preset("tiny"), 256)  # tokens x d_model -> d_ff
+    assert (256, 128, 384) in flops.model_matmul_shapes(get_preset("tiny"), 256)  # tokens x d_model -> d_ff
     with pytest.raises(ValueError, match="min_seconds"):
-        peak.measure_matmul_peak(shapes, min_seconds=0)
+        flops.measure_matmul_peak(shapes, min_seconds=0)
 
 
 def test_override_wins_and_the_meter_never_passes_one():
     cfg = get_preset("tiny")
-    assert peak.peak_for_device(torch.device("cpu"), "fp32", 5e9, cfg, 64) == (5e9, "set by --peak-flops")
-    meter = peak.MfuMeter(flops_per_token=1e6, peak_flops=1e9)
+    assert flops.peak_for_device(torch.device("cpu"), "fp32", 5e9, cfg, 64) == (5e9, "set by --peak-flops")
+    meter = flops.MfuMeter(flops_per_token=1e6, peak_flops=1e9)
     assert meter.step(100, 1.0, count=False) == (pytest.approx(0.1), None)  # 1e8 of 1e9
     mfu, note = meter.step(3000, 1.0)  # 3e9 > 1e9: the peak becomes 3e9
     assert mfu == 1.0 and "raised" in note and meter.peak == 3e9 and meter.raised_from == 1e9
@@ -79,7 +79,7 @@ def test_override_wins_and_the_meter_never_passes_one():
 
 def test_every_metrics_row_is_at_most_one_when_the_peak_was_measured_low(tmp_path, monkeypatch, capsys):
     # A peak measured while the machine was busy: far below what the steps then achieve.
-    monkeypatch.setattr(peak, "measure_matmul_peak", lambda shapes, dtype, device, min_seconds: (1e6, shapes[0]))
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda shapes, dtype, device, min_seconds: (1e6, shapes[0]))
     summary = train.train(small_config(tmp_path, peak_flops=None, steps=4))
     out = tmp_path / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -4,9 +4,10 @@ activation memory of full recomputation is one [B, T, d] block input per block, 
 import pytest
 import torch
 
-from minidist.memory import LiveTensorBytes, apply_recompute
+from minidist.memory import LiveTensorBytes
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.train import loop as train
+from minidist.train.blocks import apply_recompute
 from tests.test_train import small_config
 
 MODEL = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}

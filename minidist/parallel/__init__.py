@@ -19,7 +19,7 @@ from minidist.parallel.dp.data_parallel import (
 )
 from minidist.parallel.dp.timeline import Timeline
 from minidist.parallel.dp.zero import ZeroOptimizer
-from minidist.parallel.dp.zero_bytes import storage_bytes, zero_comm_bytes, zero_memory_bytes
+from minidist.parallel.dp.zero_bytes import zero_comm_bytes, zero_memory_bytes
 from minidist.parallel.dp.zero_params import default_units
 from minidist.parallel.placement import Placement, Split, clip_grad_norm_, grad_norm, placement_of
 
@@ -43,7 +43,6 @@ __all__ = [
     "check_batch_split",
     "default_units",
     "split_batch",
-    "storage_bytes",
     "zero_comm_bytes",
     "zero_memory_bytes",
 ]

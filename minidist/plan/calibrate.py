@@ -1,7 +1,7 @@
 """The planner on the machine at hand (chapter 12): its cost model calibrated with measured CPU figures, and the
 measured step times of layouts to rank its predictions against.
 
-* `measure_machine` (a rank function): this rank's matmul peak (`peak.measure_matmul_peak`, with the thread count
+* `measure_machine` (a rank function): this rank's matmul peak (`flops.measure_matmul_peak`, with the thread count
   each rank really has) and gloo all-reduce timings over the world, fitted to α and β
   (`cost_model.fit_alpha_beta`, chapter 00);
 * `cpu_cluster`: a `plan_cost.Cluster` from those figures, every rank "inside one node" (one machine);
@@ -16,12 +16,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from minidist.comm.communicator import Comm
 from minidist.comm.cost_model import fit_alpha_beta
+from minidist.flops import measure_matmul_peak, model_matmul_shapes
 from minidist.hardware import Link
 from minidist.model import ModelConfig
-from minidist.peak import measure_matmul_peak, model_matmul_shapes
 from minidist.plan.memory_measure import build_case, random_batch
 from minidist.plan.step_time import Cluster
 
@@ -33,21 +33,21 @@ def measure_machine(cfg: ModelConfig, tokens: int, sizes: Sequence[int] = (2**10
     `repeats` each), "samples": the timings}."""
     shapes = [(s, s, s) for s in (256, 512)] + model_matmul_shapes(cfg, tokens)
     peak, _ = measure_matmul_peak(shapes, torch.float32, "cpu", min_seconds)
-    world, samples = dist.get_world_size(), []
+    comm, best = Comm(), []  # the world
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
-        best = float("inf")
+        seconds = float("inf")
         for _ in range(repeats + 1):  # the first is a warm-up
-            dist.barrier()
+            comm.barrier()
             start = time.perf_counter()
-            dist.all_reduce(x)
-            best = min(best, time.perf_counter() - start)
-        samples.append(("all_reduce", float(nbytes), world, best))
+            comm.all_reduce(x)
+            seconds = min(seconds, time.perf_counter() - start)
+        best.append(seconds)
     # every rank takes rank 0's timings, so all of them fit the same α and β
-    shared = [samples]
-    dist.broadcast_object_list(shared, src=0)
-    alpha, beta = fit_alpha_beta(shared[0])
-    return {"peak": peak, "alpha": alpha, "beta": beta, "samples": shared[0]}
+    shared = comm.broadcast(torch.tensor(best, dtype=torch.float64), src=0)
+    samples = [("all_reduce", float(nbytes), comm.size, t) for nbytes, t in zip(sizes, shared.tolist())]
+    alpha, beta = fit_alpha_beta(samples)
+    return {"peak": peak, "alpha": alpha, "beta": beta, "samples": samples}
 
 
 def cpu_cluster(peak: float, alpha: float, beta: float, ranks: int, efficiency: float = 1.0,
@@ -63,17 +63,17 @@ def time_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch
     step then `steps` timed steps (all ranks start each after a barrier); the fastest, the least disturbed by
     other jobs on a shared machine."""
     data = random_batch(cfg, seq_len, global_batch, seed)
-    results = []
+    comm, results = Comm(), []
     for case in cases:
         parallel, _, batches, _ = build_case(cfg, case, data, seed)
         seconds = []
         for step in range(steps + 1):
-            dist.barrier()
+            comm.barrier()
             start = time.perf_counter()
             parallel.forward_backward(batches)
             parallel.clip_grad_norm_(1.0)
             parallel.step()
-            dist.barrier()
+            comm.barrier()
             if step:
                 seconds.append(time.perf_counter() - start)
         results.append({"label": case["label"], "seconds": min(seconds)})

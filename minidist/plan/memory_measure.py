@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from minidist.comm.topology import ParallelDims, Topology
-from minidist.memory import PeakSavedBytes, apply_recompute
+from minidist.memory import PeakSavedBytes, storage_bytes
 from minidist.model import ModelConfig, build_model
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.dp.data_parallel import split_batch
-from minidist.parallel.dp.zero_bytes import storage_bytes
+from minidist.train.blocks import apply_recompute
 from minidist.train.optim import build_optimizer
 
 

@@ -9,7 +9,7 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   state sharded over the replicas from stage 1, gradients from stage 2, parameters at stage 3. Dense parameters
   are replicated over dp·cp, expert blocks over edp = dp·cp / ep (chapter 11).
 * Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4-5):
-  `memory_model.activation_bytes_per_layer` for the course's Llama block, per micro-batch of b sequences and
+  `memory.activation_bytes_per_layer` for the course's Llama block, per micro-batch of b sequences and
   s/cp tokens each (chapter 10), the attention and feed-forward tensors divided by tp, the norms too under
   sequence parallelism (whose column-parallel linears then save their gathered input); MoE and MLA layers tensor
   by tensor below; the head: the final norm, the log-softmax of the (vocab-split) logits. Under full recomputation
@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
-from minidist.memory_model import activation_bytes_per_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import F, build_schedule, rank_chunks
@@ -160,14 +160,15 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
 
 def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = FP32,
                       stage: int = 0) -> dict[str, float]:
-    """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group."""
-    counts = rank_params(cfg, layout, stage)
+    """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group
+    (`memory.model_state_bytes` of each kind of parameter; `Precision.optimizer` includes the master copy)."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for kind, n in counts.items():
-        r = layout.replicas[kind]
-        out["params"] += precision.param * n / (r if layout.zero >= 3 else 1)
-        out["grads"] += precision.grad * n / (r if layout.zero >= 2 else 1)
-        out["optimizer"] += precision.optimizer * n / (r if layout.zero >= 1 else 1)
+    for kind, n in rank_params(cfg, layout, stage).items():
+        states = memory.model_state_bytes(n, precision.param, precision.grad, master_bytes=0,
+                                          optimizer_bytes=precision.optimizer, zero=layout.zero,
+                                          dp=layout.replicas[kind])
+        for part in out:
+            out[part] += states[part]
     return out
 
 
@@ -280,4 +281,4 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
 def check_against_one_block(cfg: ModelConfig, seq_len: int, batch: int, dtype_bytes: int) -> bool:
     """The dense GQA block here equals chapter 01's tensor-by-tensor count (`activation_bytes_per_layer`)."""
     mine = layer_activation_bytes(cfg, 0, seq_len * batch, Layout(), dtype_bytes)
-    return mine == activation_bytes_per_layer(cfg, seq_len, batch, dtype_bytes)["total"]
+    return mine == memory.activation_bytes_per_layer(cfg, seq_len, batch, dtype_bytes)["total"]

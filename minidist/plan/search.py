@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minidist.flops import count_params
-from minidist.hardware import CHIP_LINKS, GIB
+from minidist.hardware import GIB, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.plan.rank_memory import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=8, help="number of GPUs (default: 8)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink in one node (default: 8)")
     parser.add_argument("--gpu", default="H100-SXM", metavar="CHIP",
-                        help=f"chip: {', '.join(sorted(CHIP_LINKS))} (default: H100-SXM)")
+                        help=f"chip: {', '.join(node_chips())} (default: H100-SXM)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     parser.add_argument("--global-batch-tokens", default="4M", metavar="B",
                         help="tokens per optimizer step, e.g. 4M (default: 4M = 4,194,304)")
@@ -246,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = get_preset(args.model)
-        if args.gpu not in CHIP_LINKS:
-            raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {sorted(CHIP_LINKS)}")
+        if args.gpu not in node_chips():
+            raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {node_chips()}")
         for name in ("gpus", "gpus_per_node", "top"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

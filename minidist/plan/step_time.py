@@ -7,7 +7,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
   its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
   tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
-  cp, tp·ep for ep, tp·cp·dp for dp; NVLink when that span fits a node, the network (one port per GPU) when not.
+  cp, tp·ep for ep, tp·cp·dp for dp; NVLink when that span fits a node, the network (one port per GPU) when not
+  (`hardware.link_of`).
     tp   2 all-reduces (sequence parallel: reduce-scatter + all-gather, the same bytes) per dense block forward,
          2 backward, 2 more when the forward is recomputed; one region in an MoE block (attention)   exposed
     cp   ring: cp−1 sends of this rank's K and V per block forward, twice that backward; overlapped with the
@@ -30,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.flops import PEAK_FLOPS_BF16, _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
-from minidist.hardware import CHIP_LINKS, CHIP_MEMORY, LINKS, Link, collective_time
+from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
+from minidist.hardware import Link, chip, collective_time, link_of, node_chips, peak_flops
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.pp.schedules import bubble_formula
@@ -53,18 +54,13 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
 
-    def link(self, span: int) -> Link:
-        """The link a group crosses when its members lie within `span` consecutive ranks."""
-        return self.intra if span <= self.gpus_per_node else self.inter
 
-
-def cluster_for_chip(chip: str, gpus_per_node: int = 8, efficiency: float = DEFAULT_EFFICIENCY) -> Cluster:
-    """A cluster of `chip` (a key of `flops.PEAK_FLOPS_BF16` with a link table entry), one network port per GPU."""
-    if chip not in CHIP_LINKS:
-        raise ValueError(f"no link and memory figures for chip {chip!r}; choose one of {sorted(CHIP_LINKS)}")
-    intra, inter = CHIP_LINKS[chip]
-    return Cluster(chip, PEAK_FLOPS_BF16[chip], CHIP_MEMORY[chip], gpus_per_node, LINKS[intra], LINKS[inter],
-                   efficiency)
+def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float = DEFAULT_EFFICIENCY) -> Cluster:
+    """A cluster of chip `name` (one of `hardware.node_chips()`), its usual links, one network port per GPU."""
+    if name not in node_chips():
+        raise ValueError(f"no link and memory figures for chip {name!r}; choose one of {node_chips()}")
+    record = chip(name)
+    return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency)
 
 
 @dataclass(frozen=True)
@@ -135,13 +131,13 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     tp = 0.0
     if layout.tp > 1:
         calls = (2 * dense_layers + moe_layers) * (2 + again)
-        tp = m * calls * collective_time("all_reduce", act, layout.tp, cluster.link(layout.tp))
+        tp = m * calls * collective_time("all_reduce", act, layout.tp, link_of(cluster, layout.tp))
     cp_exposed = cp_hidden = 0.0
     if layout.cp > 1:
         d_qk, d_v = attention_dims(cfg)
         kv_heads = cfg.n_heads if cfg.attention == "mla" else max(cfg.n_kv_heads // layout.tp, 1)
         kv = tokens * kv_heads * (d_qk + d_v) * p
-        one = (layout.cp - 1) * collective_time("send", kv, 2, cluster.link(layout.tp * layout.cp))
+        one = (layout.cp - 1) * collective_time("send", kv, 2, link_of(cluster, layout.tp * layout.cp))
         cp = m * n_layers * one * (3 + again)
         cp_exposed = max(0.0, cp - attention_flops / rate)
         cp_hidden = cp - cp_exposed
@@ -149,12 +145,12 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     if layout.ep > 1 and moe_layers:
         rows = tokens * cfg.moe.top_k * cfg.d_model * p
         ep = m * moe_layers * (4 + 2 * again) * collective_time("all_to_all", rows, layout.ep,
-                                                                 cluster.link(layout.tp * layout.ep))
+                                                                 link_of(cluster, layout.tp * layout.ep))
     pp = 0.0
     if layout.pp > 1:
         sp = layout.sp_degree
         span = 2 * layout.tp * layout.cp * layout.dp
-        pp = 2 * m * v * collective_time("send", act / sp, 2, cluster.link(span))
+        pp = 2 * m * v * collective_time("send", act / sp, 2, link_of(cluster, span))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
     bubble = bubble_formula(layout.schedule, layout.pp, m, v) if layout.pp > 1 else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep, pp, dp_exposed, dp_hidden + cp_hidden)
@@ -171,7 +167,7 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
     for n, size in groups:
         if size == 1 or n == 0:
             continue
-        link = cluster.link(span)
+        link = link_of(cluster, span)
         grads = n * precision.grad
         params = n * precision.param
         if layout.zero == 0:

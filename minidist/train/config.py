@@ -22,7 +22,7 @@ from minidist.model.config import ALL_PRESETS
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.pp.schedules import SCHEDULES
 from minidist.precision import DTYPES
-from minidist.train.compiling import check_can_compile
+from minidist.train.blocks import check_can_compile
 from minidist.train.optim import WarmupCosine
 from minidist.trust.faults import parse_fault
 

@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from minidist import flops, memory, precision
+from minidist import flops, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model import ModelConfig
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
 from minidist.parallel import materialize as shard_build
-from minidist.peak import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.train import metrics, run_dir, run_state
-from minidist.train.compiling import compile_blocks
+from minidist.train.blocks import apply_recompute, compile_blocks
 from minidist.train.config import (
     ConfigError,
     TrainConfig,
@@ -117,7 +117,7 @@ def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) 
     corpus = load_data(cfg)
     model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     if cfg.recompute == "full":
-        memory.apply_recompute(model)
+        apply_recompute(model)
     if cfg.compile:
         compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
@@ -242,7 +242,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             run.log(note)
         record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "mfu": mfu, "step_s": seconds,
                   "tokens_per_s": info["tokens_per_step"] / seconds,
-                  "peak_mem_bytes": memory.peak_memory_per_rank(run.device, run.env.world_size)}
+                  "peak_mem_bytes": metrics.peak_memory_per_rank(run.device, run.topo.comm("world"))}
         if run.mcfg.moe.n_experts > 0:
             record.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats())
         if run.val_batches and _is_due(step, cfg.eval_every, last):

@@ -1,16 +1,26 @@
 """What a run writes and prints: run.json (the settings and the numbers every figure is measured against),
-metrics.jsonl (one object per optimizer step) and the progress lines on rank 0."""
+metrics.jsonl (one object per optimizer step) and the progress lines on rank 0.
+
+Every row records each rank's peak memory (`peak_memory_bytes`): on CUDA `torch.cuda.max_memory_allocated` (the
+caching allocator's count of live tensor bytes at their peak). A CPU has no such counter, so the documented
+substitute is the process's peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`): it also counts the
+interpreter, the libraries and freed-but-cached pages, so it is an upper bound of the tensor bytes, never below them.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from minidist.comm.communicator import Comm
 
 
 class MetricsWriter:
@@ -123,3 +133,17 @@ def mean_after_first(values: list[float]) -> float:
     """Mean throughput figure, leaving out the first step (it pays one-time costs: allocation, kernel warm-up)."""
     values = values[1:] or values
     return sum(values) / len(values) if values else 0.0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: CUDA tensor bytes on a GPU, peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux kilobytes
+
+
+def peak_memory_per_rank(device: torch.device, comm: Comm) -> list[int]:
+    """Every rank's `peak_memory_bytes`, in the rank order of `comm` (the world: one small all-gather)."""
+    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    return [int(v) for v in comm.all_gather(mine).tolist()]

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from minidist.comm.communicator import Comm
+from minidist.memory import PeakBytes, storage_bytes
 from minidist.parallel.dp.data_parallel import (
     DEFAULT_BUCKET_BYTES,
     AllReduceGrads,
@@ -52,7 +53,6 @@ from minidist.parallel.dp.data_parallel import (
     assign_buckets,
 )
 from minidist.parallel.dp.timeline import Timeline
-from minidist.parallel.dp.zero_bytes import PeakBytes, storage_bytes
 from minidist.parallel.dp.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
 from minidist.parallel.dp.zero_params import FlatParams, ParamHome, ShardedParams, default_units, unit_buckets
 from minidist.parallel.placement import GradPiece, clip_grad_norm_, placement_of

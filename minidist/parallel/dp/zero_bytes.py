@@ -1,5 +1,5 @@
-"""ZeRO in bytes: the paper's formulas for memory per rank and communication per step, and the counters that
-measure what a rank really holds (Rajbhandari et al. 2020, §5 and §7).
+"""ZeRO in bytes: the paper's formulas for memory per rank and communication per step (Rajbhandari et al. 2020, §5
+and §7). The counters that measure what a rank really holds are `minidist.memory`'s (`storage_bytes`, `PeakBytes`).
 
                          model states per rank               sent per rank per step (1 micro-batch)
     stage 0 (baseline)   (P + G + K)·Ψ                       all-reduce                      2(N-1)/N·M
@@ -13,14 +13,7 @@ M = Ψ·element size (with several micro-batches, `zero_comm_bytes` says which c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
-
-
-def _check_stage(stage: int) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+from minidist.memory import check_zero_stage, model_state_bytes
 
 
 def zero_memory_bytes(n_params: int, dp: int, stage: int, optimizer_bytes_per_param: float = 12,
@@ -28,14 +21,11 @@ def zero_memory_bytes(n_params: int, dp: int, stage: int, optimizer_bytes_per_pa
     """Model-state bytes per rank at ZeRO `stage` (Rajbhandari et al. 2020, §5, Figure 1).
 
     Defaults are the paper's mixed precision: (2 + 2 + K)·Ψ for the baseline with K = 12. For fp32 training with
-    Adam pass param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8.
+    Adam pass param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8. This is `memory.model_state_bytes` with K
+    the optimizer state, master copy included.
     """
-    _check_stage(stage)
-    if dp < 1 or n_params < 0:
-        raise ValueError(f"need dp >= 1 and n_params >= 0, got dp={dp}, n_params={n_params}")
-    psi, p, g, k = n_params, param_bytes, grad_bytes, optimizer_bytes_per_param
-    sharded = {0: 0.0, 1: k, 2: g + k, 3: p + g + k}[stage]
-    return (p + g + k - sharded) * psi + sharded * psi / dp
+    return model_state_bytes(n_params, param_bytes, grad_bytes, master_bytes=0,
+                             optimizer_bytes=optimizer_bytes_per_param, zero=stage, dp=dp)["total"]
 
 
 def zero_comm_bytes(n_params: int, dp: int, stage: int, microbatches: int = 1,
@@ -48,37 +38,10 @@ def zero_comm_bytes(n_params: int, dp: int, stage: int, microbatches: int = 1,
         stage 2   reduce-scatter every micro-batch + all-gather once
         stage 3   per micro-batch: all-gather for forward, all-gather for backward, reduce-scatter
     """
-    _check_stage(stage)
+    check_zero_stage(stage)
     one = (dp - 1) / dp * n_params * element_size
     m = microbatches
     return {0: {"all_reduce": 2 * one},
             1: {"reduce_scatter": one, "all_gather": one},
             2: {"reduce_scatter": m * one, "all_gather": one},
             3: {"reduce_scatter": m * one, "all_gather": 2 * m * one}}[stage]
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors`: a view into a flat buffer is not counted twice."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-class PeakBytes:
-    """Bytes of short-lived buffers (gathered units, in-flight gradient buckets): now and at the peak."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-
-    def sub(self, nbytes: int) -> None:
-        self.now -= nbytes

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from minidist.comm.communicator import Comm, Handle
+from minidist.memory import PeakBytes
 from minidist.parallel.dp.data_parallel import AllReduceGrads, Bucket
-from minidist.parallel.dp.zero_bytes import PeakBytes
 
 
 def _reduce_scatter(comm: Comm, bucket: Bucket) -> Handle:

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from minidist.comm.communicator import Comm, Handle
+from minidist.memory import PeakBytes
 from minidist.parallel.dp.data_parallel import Bucket
-from minidist.parallel.dp.zero_bytes import PeakBytes
 
 
 class ParamHome:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist.comm.communicator import Comm, Ledger
+from minidist.memory import PeakSavedBytes
 from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
 from minidist.parallel.placement import placement_of
@@ -167,24 +168,18 @@ class StepStats:
 
 
 class _SavedBytes:
-    """Counts the bytes of the tensors autograd saves for backward, per forward, excluding parameters."""
+    """Counts the bytes of the tensors autograd saves for backward, per forward, excluding parameters
+    (`memory.PeakSavedBytes`); `seen`: the storages the last forward saved and still holds, with their bytes."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.params = list(params)
         self.seen: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.param_storages:
-            self.seen[key] = storage.nbytes()
-        return t
 
     @contextlib.contextmanager
     def count(self):
-        self.seen = {}
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+        with PeakSavedBytes(params=self.params) as saved:
             yield self
+        self.seen = dict(saved.storages)
 
 
 class PipelineRunner:

@@ -1,0 +1,64 @@
+"""Transformations of the model's blocks, applied in place before a run: activation recomputation and `--compile`.
+
+Both wrap each block rather than replace it, so parameter names, the layout transformations that swap sub-modules
+(tensor, expert parallel) and pipeline stages that call blocks all keep working.
+
+* `apply_recompute`: activation checkpointing of every block (Chen et al. 2016, "Training Deep Nets with Sublinear
+  Memory Cost"): the forward keeps only each block's input, the backward runs the block again to rebuild what it
+  needs. Activation memory falls from every block's saved tensors to one [B, T, d] input per block, for one more
+  forward per step (Korthikanti et al. 2022, §4: "full recomputation").
+* `compile_blocks`: `torch.compile` of every transformer block. Each block is compiled in place (`nn.Module.compile`:
+  the module, its name and its parameters stay; its call goes through the compiled code), not the whole model: the
+  blocks are where the time goes, they are identical in structure so one graph serves them all, and the layout
+  transformations keep blocks whole. A collective inside a block (tensor or context parallel) is a graph break: the
+  code on both sides of it is still compiled. Compilation is lazy: the first forward of a step traces and compiles,
+  later ones reuse.
+
+The backend is inductor, the default. On a CPU it generates C++ and needs a C++ compiler; without one the run is
+refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _recomputed_forward(forward, *args, **kwargs):
+    # use_reentrant=False: the supported implementation; keeps the RNG state and works with keyword arguments.
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: nn.Module) -> nn.Module:
+    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped)."""
+    for block in model.blocks:
+        block.forward = functools.partial(_recomputed_forward, block.forward)
+    return model
+
+
+def check_can_compile(device: str) -> None:
+    """A one-line ValueError unless inductor can compile for `device` ("auto", "cpu" or "cuda") here."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return  # inductor generates Triton kernels for CUDA (part of a CUDA torch)
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        raise ValueError("--compile on a CPU needs a C++ compiler (inductor generates C++), and none was found "
+                          "(g++ on PATH, or $CXX); install one or leave out --compile") from None
+
+
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """Compile every block of `model.blocks` in place (names, parameters and later module swaps unchanged)."""
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
+def compiled_blocks(model: nn.Module) -> int:
+    """How many of `model.blocks` go through compiled code (a pipeline stage's missing blocks are None)."""
+    return sum(getattr(block, "_compiled_call_impl", None) is not None for block in model.blocks if block is not None)
