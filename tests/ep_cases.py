@@ -100,9 +100,7 @@ def reference(router: str, microbatches: int = 1, steps: int = STEPS) -> dict:
 
 def _full_gradients(parallel, topo: Topology) -> dict[str, torch.Tensor]:
     """The first step's gradients of this rank's parameters, whole (tp and ep slices gathered), by name."""
-    holder = parallel.zero or parallel.experts
-    grads = holder.full_gradients() if holder is not None else {
-        n: p.grad for n, p in parallel.model.named_parameters() if p.grad is not None}
+    grads = parallel.full_gradients()
     placements = {n: placement_of(p) for n, p in parallel.model.named_parameters()}
     out = {}
     for name, grad in grads.items():

@@ -91,12 +91,7 @@ LAYOUTS = {
 
 def _full_grads(parallel, topo: Topology) -> dict[str, torch.Tensor]:
     """The averaged gradient of every parameter this rank's stage holds, whole (tp shards gathered), by name."""
-    if parallel.zero is not None:
-        grads = parallel.zero.full_gradients()
-    else:
-        if parallel.grad_sync is not None:
-            parallel.grad_sync.finish_grad_sync()
-        grads = {n: p.grad.detach().clone() for n, p in parallel.model.named_parameters() if p.grad is not None}
+    grads = parallel.full_gradients()
     if topo.size("tp") > 1:
         quiet = topo.comm("tp", Ledger())
         params = dict(parallel.model.named_parameters())

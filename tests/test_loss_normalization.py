@@ -47,7 +47,7 @@ def _one_step(label: str, dims: ParallelDims, options: ParallelOptions) -> dict:
     loss = parallel.forward_backward(batches).loss
     parallel.grad_pieces()  # finishes the data-parallel reduction
     if options.zero > 0:
-        grads = parallel.optimizer.full_gradients()
+        grads = parallel.full_gradients()
     elif dims.tp > 1:
         grads = gather_full(parallel.model, topo.comm("tp"), "tp", grads=True)
     else:

@@ -74,7 +74,7 @@ def _stage_gathers(root: str) -> dict:
     """pp2 dp2 ZeRO-3 interleaved, 8 layers: the units of each stage, and the parameter names gathered in a step."""
     parallel, topo, batches = _build(ParallelDims(dp=2, pp=2), pp=2, dp=2, zero=3, schedule="interleaved",
                                      virtual_stages=2, model_overrides=dict(MODEL, n_layers=8))
-    home = parallel.zero.params
+    home = parallel.optimizer.params  # under ZeRO the optimizer is the ZeroOptimizer
     units = [sorted(u.bucket.names) for u in home.units]
     gathered: list[str] = []
     start_gather = home._start_gather
@@ -88,7 +88,7 @@ def _stage_gathers(root: str) -> dict:
     parallel.forward_backward(batches)
     parallel.clip_grad_norm_(1.0)
     parallel.step()
-    return {"units": units, "gathered": sorted(set(gathered)), "peak": parallel.zero.peak_transient_bytes(),
+    return {"units": units, "gathered": sorted(set(gathered)), "peak": parallel.optimizer.peak_transient_bytes(),
             "unit_bytes": [u.full.numel() * u.full.element_size() for u in home.units],
             "pp": topo.coord("pp")}
 
@@ -96,7 +96,7 @@ def _stage_gathers(root: str) -> dict:
 def _final_gather(root: str) -> dict:
     """dp4 ZeRO-3: the end-of-run hash of the full parameters, and the most gathered bytes alive at once."""
     parallel, _, _ = _build(ParallelDims(dp=4), dp=4, zero=3)
-    comm, live, peak = parallel.zero.params.comm, [0], [0]
+    comm, live, peak = parallel.optimizer.params.comm, [0], [0]
     all_gather = comm.all_gather
 
     def counting(tensor, *args, **kwargs):
@@ -108,7 +108,7 @@ def _final_gather(root: str) -> dict:
 
     comm.all_gather = counting
     digest = health.replica_hash(parallel.full_parameters())
-    unit_bytes = [u.full.numel() * u.full.element_size() for u in parallel.zero.params.units]
+    unit_bytes = [u.full.numel() * u.full.element_size() for u in parallel.optimizer.params.units]
     reference = build_model(model_config(config("unused")), seed=0)  # what ZeRO-3 sharded: the initial weights
     return {"hash": digest, "want": health.replica_hash(reference.parameters()), "peak": peak[0],
             "unit_bytes": unit_bytes}
@@ -122,7 +122,7 @@ def _replica_check(root: str) -> dict:
     parallel.clip_grad_norm_(1.0)
     parallel.step()
     comms = replica_comms(topo)
-    pieces = parallel.zero.param_pieces()
+    pieces = parallel.param_pieces()
     check_replicas(parallel.model, comms, True, "clean", pieces)
     # the first tp-replicated parameter with elements in this rank's slice: the same on both ranks of a tp group
     replicated = [n for n, p in sorted(parallel.model.named_parameters())

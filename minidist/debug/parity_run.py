@@ -28,7 +28,7 @@ from minidist.debug import grad_diff, museum
 from minidist.model import ModelConfig, build_model, get_preset
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.assembly import IGNORE_INDEX
-from minidist.parallel.dp.data_parallel import DataParallel, split_batch
+from minidist.parallel.dp.data_parallel import split_batch
 from minidist.precision import autocast_for
 from minidist.train.optim import build_optimizer
 from minidist.trust.replicas import ReplicasDiffer, check_replicas, replica_comms
@@ -104,8 +104,8 @@ def _train(setup: Setup, topo: Topology) -> dict:
         out["replica_error"] = None
     except ReplicasDiffer as e:
         out["replica_error"] = str(e)
-    sync = parallel.grad_sync
-    out["dp_bytes"] = sync.comm.ledger.bytes("all_reduce") if isinstance(sync, DataParallel) else None
+    # what the data-parallel all-reduce sent (the lab's layouts have no ZeRO, cp or ep: the replicas are dp's)
+    out["dp_bytes"] = parallel.reduction_bytes("all_reduce") if topo.size("dp") > 1 else None
     out["numel"] = sum(t.numel() for t in out["params0"].values()) if topo.rank == 0 else None
     return out
 

@@ -44,6 +44,7 @@ from minidist.parallel.dp.data_parallel import DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.ep.expert import apply_expert_parallel, is_expert_param, validate_expert_parallel
 from minidist.parallel.ep.expert_grads import ExpertReplicas
+from minidist.parallel.grad_sync import GradSync, OwnedRange, SingleReplica
 from minidist.parallel.placement import Placement, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import TiedGrads, tie_across_stages
 from minidist.precision import check_fp32
@@ -157,18 +158,16 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology | None = None,
                  loss_fn: Callable | None = None, runner: object | None = None, with_aux: bool = False,
-                 grad_sync: DataParallel | ZeroOptimizer | ExpertReplicas | None = None,
-                 context: object | None = None, tied: TiedGrads | None = None) -> None:
+                 grad_sync: GradSync | None = None, context: object | None = None,
+                 tied: TiedGrads | None = None) -> None:
         """Defaults: one process (no process group) and the plain LM loss; `parallelize` passes the rest.
-        `grad_sync` reduces gradients over the replicas: a DataParallel, or the ZeroOptimizer that is also
-        `optimizer`, or with expert parallelism an ExpertReplicas (also `optimizer` under ZeRO); None with one
-        replica. `context` (a `ContextParallel`) shards each sequence over cp ranks. `tied` sums a tied
-        embedding's gradient over its copies on the first and last pipeline stage."""
+        `grad_sync` reduces gradients over the replicas (minidist/parallel/grad_sync.py): a DataParallel, or the
+        ZeroOptimizer that is also `optimizer`, or with expert parallelism an ExpertReplicas (also `optimizer` under
+        ZeRO); None: one replica. `context` (a `ContextParallel`) shards each sequence over cp ranks. `tied` sums a
+        tied embedding's gradient over its copies on the first and last pipeline stage."""
         topo = topo if topo is not None else Topology(ParallelDims(), rank=0, world_size=1)
         self.model, self.optimizer, self.topo = model, optimizer, topo
-        self.grad_sync = grad_sync
-        self.zero = grad_sync if isinstance(grad_sync, ZeroOptimizer) else None
-        self.experts = grad_sync if isinstance(grad_sync, ExpertReplicas) else None  # two replica groups
+        self._grad_sync = grad_sync if grad_sync is not None else SingleReplica(model)
         self.loss_fn = loss_fn or functools.partial(lm_loss, reduction="sum")  # Σ token losses in fp32
         self.runner = runner  # the pipeline executor, None without pipeline parallelism
         self.with_aux = with_aux
@@ -186,7 +185,7 @@ class ParallelModel:
         count = self._global_sum(count_targets(batches))
         replicas = self.replicas.size if self.replicas is not None else 1
         loss_scale = (replicas / count).float()
-        no_sync = self.grad_sync.no_sync if self.grad_sync is not None else contextlib.nullcontext
+        no_sync = self._grad_sync.no_sync
         if self.runner is not None:
             stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale, positions=positions)
             loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
@@ -226,15 +225,10 @@ class ParallelModel:
         return pieces, groups
 
     def _reduced_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
-        if self.grad_sync is not None:
-            self.grad_sync.finish_grad_sync()
-        if self.zero is not None:  # this rank's slices of the gradient shards: disjoint over dp_cp too
-            return self.zero.grad_pieces(), {**self.zero.norm_groups(), **self.model_groups}
-        if self.experts is not None:  # blocks of experts differ over ep (and ZeRO's slices over dp_cp)
-            return self.experts.grad_pieces(), {**self.experts.norm_groups(), **self.model_groups}
-        # whole (averaged) gradients: identical on every replica, so the sum skips dp_cp
-        pieces = [(p.grad, placement_of(p)) for p in self.model.parameters() if p.grad is not None]
-        return pieces, dict(self.model_groups)
+        """The engine's pieces: whole (averaged) gradients, identical on every replica (the sum skips dp_cp), or
+        ZeRO's slices, disjoint over dp_cp (blocks of experts: over ep); with the groups the model is split over."""
+        self._grad_sync.finish_grad_sync()
+        return self._grad_sync.grad_pieces(), {**self._grad_sync.norm_groups(), **self.model_groups}
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip to a global L2 norm of the whole model's gradient (0: measure only); return the norm before."""
@@ -246,9 +240,7 @@ class ParallelModel:
         if self._tied_pending:  # not clipped: the tied gradients still need their sum
             self.grad_pieces()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.grad_sync, (DataParallel, ExpertReplicas)):
-            self.grad_sync.zero_grad()  # the averaged gradients are views of its buckets
+        self._grad_sync.zero_grad()  # every .grad dropped (the averaged ones are views of the engine's buckets)
         if self.with_aux:
             reduce = self.replicas.all_reduce if self.replicas is not None else None
             moe_routing.update_router_biases(self.model, reduce_fn=reduce)
@@ -296,10 +288,60 @@ class ParallelModel:
                     comm.all_reduce(sums)
         return moe_routing.moe_stats(self.model, reduce)
 
+    def finish_grad_sync(self) -> None:
+        """Wait for this step's gradient reduction: every replica then holds the reduced gradients (or shards)."""
+        self._grad_sync.finish_grad_sync()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's reduced gradients by name (a tensor-parallel slice or a block of experts stays this rank's),
+        assembled from ZeRO's shards (collective then: every rank of the replica groups calls it)."""
+        return self._grad_sync.full_gradients()
+
     def full_parameters(self) -> Iterator[torch.Tensor]:
         """This rank's parameters in model order, whole under ZeRO-3: gathered one unit at a time as the caller
         iterates, so a hash never holds the whole model (collective: every rank iterates to the end)."""
-        engine = self.zero or self.experts
-        if engine is None:
-            return iter(list(self.model.parameters()))
-        return (value for _, value in engine.iter_full_parameters())
+        return (value for _, value in self._grad_sync.iter_full_parameters())
+
+    # -- what this rank holds: checkpoints, memory accounting, replica checks --------------------------------------
+
+    @property
+    def params_sharded(self) -> bool:
+        """Whether the parameters live as disjoint slices over their replicas (ZeRO-3): no replica holds them whole,
+        and the model's parameters are empty between gathers (`param_pieces()` holds the slices)."""
+        return self._grad_sync.params_sharded
+
+    def param_pieces(self) -> dict[str, torch.Tensor]:
+        """The part of each parameter this rank updates, by name: ZeRO's slices of the parameter shards (views; empty
+        for a parameter outside this rank's slices), else the whole (local) parameters."""
+        return self._grad_sync.param_pieces()
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that hold this rank's optimizer state: the one `parallelize` was given, or those
+        ZeRO built over this rank's shards in its place."""
+        return self._grad_sync.optimizers() or [self.optimizer]
+
+    def owned_ranges(self) -> list[OwnedRange]:
+        """Every parameter's elements whose optimizer state this rank holds, and which optimizer holds it: each
+        parameter whole (the given optimizer's), then ZeRO's ranges of the parameters it shards (disjoint over
+        their `sharded_over` group; a parameter outside this rank's slices has none). A parameter whole with
+        optimizer None is one no optimizer updates."""
+        engine_optimizers = self._grad_sync.optimizers()
+        sharded = {name for name, _ in self._grad_sync.named} if engine_optimizers else set()
+        whole = None if engine_optimizers else self.optimizer
+        return [*(OwnedRange(name, 0, p.numel(), p, whole, placement_of(p), tuple(p.shape))
+                  for name, p in self.model.named_parameters() if name not in sharded),
+                *self._grad_sync.owned_ranges()]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors of the model states this rank holds: "params" (the parameters; ZeRO's flat buffers and
+        shards) and "grads" (`.grad`; the reduction's buckets and gradient shards). Views of one storage repeat:
+        count storages (`minidist.parallel.dp.zero_bytes.storage_bytes`). Optimizer state: `optimizers()`."""
+        params = list(self.model.parameters())
+        held = self._grad_sync.held_tensors()
+        return {"params": [p.data for p in params] + held["params"],
+                "grads": [p.grad for p in params if p.grad is not None] + held["grads"]}
+
+    def reduction_bytes(self, op: str | None = None) -> int:
+        """Bytes this rank's gradient reduction sent so far by collective `op` (None: all), from its groups'
+        ledgers (0 with one replica)."""
+        return sum(comm.ledger.bytes(op, comm.name) for comm in self._grad_sync.comms())

@@ -15,43 +15,26 @@ own figures with its grid coordinates.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.memory import PeakSavedBytes, storage_bytes
 from minidist.model import ModelConfig, build_model
-from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel import ParallelModel, ParallelOptions, parallelize
 from minidist.parallel.dp.data_parallel import split_batch
 from minidist.train.blocks import apply_recompute
 from minidist.train.optim import build_optimizer
 
 
-def _engines(parallel: Any) -> list[Any]:
-    """The objects that hold gradient buffers, parameter shards and sharded optimizers: a DataParallel or a
-    ZeroOptimizer, or with expert parallelism one of those per replica group."""
-    if parallel.experts is not None:
-        return list(parallel.experts.engines)
-    return [e for e in (parallel.zero, parallel.grad_sync) if e is not None]
-
-
-def measure_model_states(parallel: Any) -> dict[str, int]:
+def measure_model_states(parallel: ParallelModel) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (distinct storages; not the optimizer's 0-d
     step counters, 4 bytes per parameter tensor, which the memory model leaves out)."""
-    params = [p.data for p in parallel.model.parameters()]
-    grads = [p.grad for p in parallel.model.parameters()]
-    optimizers = [parallel.optimizer]
-    for engine in _engines(parallel):
-        home = getattr(engine, "params", None)
-        params += home.buffers() if hasattr(home, "buffers") else []
-        for bucket in getattr(engine, "buckets", []):
-            grads += [getattr(bucket, "grad", None), getattr(bucket, "grad_shard", None)]
-        optimizers.append(getattr(engine, "optimizer", None))
-    states = [v for opt in optimizers if isinstance(getattr(opt, "state", None), dict)
-              for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"]
-    return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+    held = parallel.held_tensors()
+    states = [v for opt in parallel.optimizers() for s in opt.state.values() for k, v in s.items()
+              if isinstance(v, torch.Tensor) and k != "step"]
+    return {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
+            "optimizer": storage_bytes(states)}
 
 
 def random_batch(cfg: ModelConfig, seq_len: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +45,7 @@ def random_batch(cfg: ModelConfig, seq_len: int, global_batch: int, seed: int) -
 
 
 def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Tensor], seed: int
-               ) -> tuple[Any, Topology, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+               ) -> tuple[ParallelModel, Topology, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """One case {"dims": ParallelDims fields, "options": ParallelOptions fields, "recompute": bool} on this rank:
     (the parallelized model, its topology, this rank's micro-batches of `data`, the model's buffers)."""
     dims = ParallelDims(**case["dims"])

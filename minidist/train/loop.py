@@ -8,7 +8,7 @@ Read it top to bottom:
 2. `setup`: the corpus, the model's structure on the meta device, and `parallelize` (in `minidist.parallel`), which
    applies the parallel dimensions in one order, fills only this rank's parameters from (seed, parameter names)
    (`minidist.parallel.materialize`) and returns a `ParallelModel`: the only object the loop talks to, whatever
-   the layout.
+   the layout. Everything the loop holds is one `Run` record (`minidist.train.run`).
 3. `train_step`: forward and backward over the micro-batches, clip, check, step.
 4. `train_loop`: steps, logging (`minidist.train.metrics`), evaluation, checkpoints (`minidist.train.run_state`);
    `finish` writes the final figures and the loss curve.
@@ -31,7 +31,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
-from minidist.model import ModelConfig
 from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
 from minidist.parallel import materialize as shard_build
 from minidist.train import metrics, run_dir, run_state
@@ -56,46 +54,13 @@ from minidist.train.config import (
     model_config,
     parse_config,
 )
-from minidist.train.optim import WarmupCosine, build_optimizer
+from minidist.train.optim import build_optimizer
 from minidist.train.plots import plot_losses, read_metrics
 from minidist.train.preflight import preflight
+from minidist.train.run import Run
 from minidist.trust import faults, health, replicas
 
 VAL_SEED = 20240101  # validation batches do not depend on --seed: runs with different seeds compare on one set
-
-
-@dataclass
-class Run:
-    """Everything a training loop holds; built by `setup`, advanced by `train_loop`."""
-
-    cfg: TrainConfig
-    mcfg: ModelConfig
-    env: DistEnv
-    topo: Topology
-    device: torch.device
-    parallel: ParallelModel  # this rank's model and optimizer, and the step's operations
-    schedule: WarmupCosine
-    sampler: BatchSampler
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    out: Path
-    info: dict  # what run.json records
-    start_step: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.env.rank == 0
-
-    @property
-    def barrier(self) -> Callable[[], None] | None:
-        """A barrier of all ranks (the checkpoint's steps wait on it); None on one process."""
-        if self.env.world_size == 1:
-            return None
-        return functools.partial(self.topo.comm("world").barrier, self.device)
-
-    def log(self, text: str) -> None:
-        if self.is_main:
-            print(text, flush=True)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -253,7 +218,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         if _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping):
             run.log(metrics.progress_line(record, cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
-            replicas.check_run(run, f"check after step {step}")
+            replicas.check_model(run.parallel, f"check after step {step}")
         run_state.checkpoint_if_due(run, step)  # every --ckpt-every steps, at the end and at --stop-after
         for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
             summary[key].append(record[name])

@@ -13,8 +13,8 @@ full tensor, in the piece's own element order. Everything a layout holds is such
 
 ZeRO's flat ranges are not rectangles, so a rectangle-only resharder (torch.distributed.checkpoint's chunks) would
 need them gathered first; runs describe both without any communication. The runs come from the parameter's
-`Placement` (parallel/layout.py: offsets and shapes of its splits) and, under ZeRO, from
-`ZeroOptimizer.owned_ranges()`.
+`Placement` (parallel/placement.py: offsets and shapes of its splits) and, under ZeRO, from the ranges
+`ParallelModel.owned_ranges()` lists.
 
 One writer per piece: among the ranks holding the same piece only the first writes it (dp_cp and edp replicas
 without ZeRO, copies of a kv head over tp, parameters whole on every tp or ep rank); ZeRO's slices are disjoint over
@@ -57,7 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from minidist.parallel.dp.zero import ZeroOptimizer
+from minidist.comm.topology import Topology
+from minidist.parallel import ParallelModel
 from minidist.parallel.placement import Placement, placement_of
 from minidist.train import checkpoint
 
@@ -173,31 +174,26 @@ class Piece:
     writer: bool
 
 
-def local_pieces(parallel: Any, topo: Any) -> list[Piece]:
+def local_pieces(parallel: ParallelModel, topo: Topology) -> list[Piece]:
     """Every local tensor of this rank's `ParallelModel` as a piece: parameters (whole, or ZeRO's slices with their
-    optimizer state) and persistent buffers."""
+    optimizer state: `ParallelModel.owned_ranges`) and persistent buffers."""
     model: nn.Module = parallel.model
-    engines = _zero_engines(parallel)
-    plain = parallel.optimizer if isinstance(parallel.optimizer, torch.optim.Optimizer) else None
+    owned = parallel.owned_ranges()
+    whole = {r.name: r for r in owned if r.sharded_over is None}
     pieces = []
-    sharded = {n for e in engines for n, _ in e.named}
     for name, param in model.named_parameters():
         if param.numel() == 0:  # ZeRO-3: the values live in the shards (below)
             continue
         placement = placement_of(param)
-        own = name not in sharded  # not sharded by ZeRO: the whole parameter carries its optimizer state
+        own = whole.get(name)  # not sharded by ZeRO: the whole parameter carries its optimizer state
         pieces.append(Piece(name, tuple(placement.full_shape), placement_runs(placement, tuple(param.shape)),
-                            param.data.view(-1), plain if own else None, param if own else None,
-                            own and _first_holder(placement, topo, set())))
-    for engine in engines:
-        params = dict(engine.named)
-        for name, start, stop, key in engine.owned_ranges():
-            param = params[name]
-            placement = engine.placements[id(param)]
-            shape = tuple(param.shape) if param.numel() else _local_shape(placement)
-            runs = sub_runs(placement_runs(placement, shape), start, stop)
-            pieces.append(Piece(name, tuple(placement.full_shape), runs, key.view(-1), engine.optimizer, key,
-                                _first_holder(placement, topo, INSIDE[engine.comm.name])))
+                            param.data.view(-1), own.optimizer if own else None, param if own else None,
+                            own is not None and _first_holder(placement, topo, set())))
+    for r in owned:
+        if r.sharded_over is not None:  # ZeRO's slice of a parameter, with its optimizer state
+            runs = sub_runs(placement_runs(r.placement, r.shape), r.start, r.stop)
+            pieces.append(Piece(r.name, tuple(r.placement.full_shape), runs, r.key.view(-1), r.optimizer, r.key,
+                                _first_holder(r.placement, topo, INSIDE[r.sharded_over])))
     names = dict(model.named_buffers())
     first = topo.coord("tp") == 0 and topo.coord("dp_cp") == 0
     for name in model.state_dict():
@@ -208,15 +204,7 @@ def local_pieces(parallel: Any, topo: Any) -> list[Piece]:
     return pieces
 
 
-def _zero_engines(parallel: Any) -> list[ZeroOptimizer]:
-    if parallel.zero is not None:
-        return [parallel.zero]
-    if parallel.experts is not None and parallel.experts.stage > 0:
-        return list(parallel.experts.engines)
-    return []
-
-
-def _first_holder(placement: Placement, topo: Any, covered: set[str]) -> bool:
+def _first_holder(placement: Placement, topo: Topology, covered: set[str]) -> bool:
     """Whether this rank is the first of the ranks holding this same piece: index 0 of every group it is copied
     over (a split's `replicas` ranks hold each slice; `replicated_over` groups hold it whole), except the groups a
     ZeRO engine already cuts it over (`covered`)."""
@@ -226,21 +214,12 @@ def _first_holder(placement: Placement, topo: Any, covered: set[str]) -> bool:
     return all(topo.coord(group) == 0 for group in placement.replicated_over if group not in covered)
 
 
-def _local_shape(placement: Placement) -> tuple[int, ...]:
-    """A ZeRO-3 parameter's local (tp/ep-sharded) shape from its placement (its tensor is empty)."""
-    shape = list(placement.full_shape)
-    for split in placement.splits.values():
-        if split.dim is not None:
-            shape[split.dim] //= split.parts
-    return tuple(shape)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Save: this rank's pieces and their index entries
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def pieces_to_save(parallel: Any, topo: Any) -> tuple[list[dict], list[dict]]:
+def pieces_to_save(parallel: ParallelModel, topo: Topology) -> tuple[list[dict], list[dict]]:
     """(tensors for this rank's file, index entries for meta.json) of the pieces this rank writes: views of the
     model and optimizer state where they cover their storage (torch.save writes a storage once, whole), copies
     where they do not (ZeRO-1/2's shard is a slice of the bucket of every rank's parameters)."""
@@ -362,7 +341,7 @@ class PieceReader:
         return first
 
 
-def load_pieces(parallel: Any, topo: Any, reader: PieceReader) -> None:
+def load_pieces(parallel: ParallelModel, topo: Topology, reader: PieceReader) -> None:
     """Fill this rank's parameters, buffers and optimizer state from a checkpoint of any layout."""
     for piece in local_pieces(parallel, topo):
         with torch.no_grad():

@@ -14,23 +14,23 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from minidist.train import checkpoint, optim, reshard
-from minidist.train.config import config_to_values
+from minidist.train.config import TrainConfig, config_to_values
+from minidist.train.run import Run
 from minidist.trust import replicas
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --eval-every or --dtype, may change).
 SAME_RUN_KEYS = ("model", "data", "max_bytes", "val_fraction", "batch_size", "seq_len", "seed")
 
 
-def save_run(run: Any, steps_done: int) -> None:
+def save_run(run: Run, steps_done: int) -> None:
     """Checkpoint after `steps_done` optimizer steps: this rank's pieces and generators (rank 0: the run state too),
     plus meta.json from rank 0. The replicas are compared first: a checkpoint must never preserve copies that
     disagree (the first holder's would be kept, silently)."""
-    replicas.check_run(run, f"check before the checkpoint at step {steps_done}")
+    replicas.check_model(run.parallel, f"check before the checkpoint at step {steps_done}")
     pieces, index = reshard.pieces_to_save(run.parallel, run.topo)
     state = {"rng": rng_state(), "pieces": pieces}
     if run.env.rank == 0:
@@ -43,13 +43,13 @@ def save_run(run: Any, steps_done: int) -> None:
         checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
 
 
-def end_step(cfg: Any) -> int:
+def end_step(cfg: TrainConfig) -> int:
     """The step index the loop stops before: --steps, or --stop-after N (N completed steps; the LR schedule and the
     checkpoint cadence stay those of --steps, so a resumed run continues the same curve)."""
     return cfg.stop_after if cfg.stop_after > 0 else cfg.steps
 
 
-def checkpoint_if_due(run: Any, step: int) -> None:
+def checkpoint_if_due(run: Run, step: int) -> None:
     """After step index `step`: checkpoint every --ckpt-every steps and at the last step, and always at --stop-after
     (a time-limited job must leave a checkpoint to continue from)."""
     cfg = run.cfg
@@ -62,7 +62,7 @@ def checkpoint_if_due(run: Any, step: int) -> None:
                 "continue with --resume")
 
 
-def restore_run(run: Any) -> int | None:
+def restore_run(run: Run) -> int | None:
     """With --resume, load the latest checkpoint in OUT and return its step (None: none there, start at 0).
     Deletes nothing: a fresh run reaches here only into an OUT without a run (minidist.train.run_dir checks it).
     A damaged checkpoint or a mismatch is a one-line ValueError naming the file or what differs."""
@@ -80,18 +80,19 @@ def restore_run(run: Any) -> int | None:
     if changed:
         run.log(f"the checkpoint's optimizer settings are kept: {', '.join(changed)} (not this run's)")
     # Copies that differ now come from the index (a piece that fills one replica and not another), not the files.
-    replicas.check_run(run, f"check after resuming from step {step}" + ("" if same else " in another layout"))
+    where = "" if same else " in another layout"
+    replicas.check_model(run.parallel, f"check after resuming from step {step}{where}")
     return step
 
 
-def same_layout(meta: dict, run: Any) -> bool:
+def same_layout(meta: dict, run: Run) -> bool:
     """Whether the checkpoint's rank files are this run's ranks' own (then each rank restores its own generators)."""
     saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     return (meta.get("world_size") == run.env.world_size and meta.get("parallel") == dataclasses.asdict(run.topo.dims)
             and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages")))
 
 
-def restore_pieces(run: Any, step_dir: Path, meta: dict, same: bool) -> list[str]:
+def restore_pieces(run: Run, step_dir: Path, meta: dict, same: bool) -> list[str]:
     """Each rank fills what it holds from the pieces that intersect it (minidist.train.reshard), whichever layout wrote
     them; the run state comes from rank 0's file, the random generators from the rank's own file in the same
     layout, else from rank 0's. Returns the optimizer settings the checkpoint changed (`optim.load_group_settings`)."""

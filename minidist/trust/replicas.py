@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from minidist.comm.communicator import Comm
+from minidist.comm.topology import Topology
+from minidist.parallel import ParallelModel
 from minidist.parallel.placement import placement_of
 from minidist.trust.health import TrainingDiverged, replica_hash
 
@@ -62,7 +64,7 @@ def replica_entries(model: nn.Module, params_sharded: bool = False,
     """{group: the tensors of this rank that other ranks of that group also hold}, each list in name order.
 
     `params_sharded` (ZeRO-3): the parameters live as disjoint slices over dp_cp, so replicated_over is ignored, and
-    `pieces` holds this rank's slice of each parameter by name (`ZeroOptimizer.param_pieces`), compared in its
+    `pieces` holds this rank's slice of each parameter by name (`ParallelModel.param_pieces`), compared in its
     place (the model's parameters are empty tensors between gathers)."""
     entries: dict[str, list[Entry]] = defaultdict(list)
     for name, param in sorted(model.named_parameters()):
@@ -128,15 +130,15 @@ def check_replicas(model: nn.Module, comms: dict[str, Comm], params_sharded: boo
             raise ReplicasDiffer(f"{when}: {e}" if when else str(e)) from None
 
 
-def replica_comms(topo) -> dict[str, Comm]:
+def replica_comms(topo: Topology) -> dict[str, Comm]:
     """The Comms of the groups a placement can name (dp_cp, edp, tp, tied), those with more than one rank."""
     return {name: topo.comm(name) for name in ("dp_cp", "edp", "tp", "tied") if topo.size(name) > 1}
 
 
-def check_run(run, when: str) -> None:
-    """The trainer's check (`run`: a `minidist.train.loop.Run`): every copy of a replicated tensor bitwise identical.
+def check_model(parallel: ParallelModel, when: str) -> None:
+    """The trainer's check of this rank's `ParallelModel`: every copy of a replicated tensor bitwise identical.
     Under ZeRO-3 no parameter has a dp_cp copy (each rank holds its own slice); the slices of tp-replicated ones
-    and the buffers are still compared."""
-    sharded, engine = run.cfg.zero == 3, run.parallel.zero or run.parallel.experts
-    pieces = engine.param_pieces() if sharded and engine is not None else None
-    check_replicas(run.parallel.model, replica_comms(run.topo), sharded, when, pieces)
+    and the buffers are still compared. Every rank of the job calls it."""
+    sharded = parallel.params_sharded
+    pieces = parallel.param_pieces() if sharded else None
+    check_replicas(parallel.model, replica_comms(parallel.topo), sharded, when, pieces)

@@ -43,6 +43,7 @@ from torch import nn
 
 from minidist.comm.communicator import Comm, Handle
 from minidist.parallel.dp.timeline import Timeline, on_completion
+from minidist.parallel.grad_sync import GradSync
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # 4 MiB: a few buckets for the small preset, one or two for tiny
 
@@ -231,7 +232,7 @@ class AllReduceGrads:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class DataParallel:
+class DataParallel(GradSync):
     """Average gradients over `comm`'s group with bucketed (optionally overlapped) all-reduces.
 
     The model stays a plain module: this object registers hooks on it. Use:
@@ -249,7 +250,7 @@ class DataParallel:
 
     `reduction` replaces the all-reduce (ZeRO passes a reduce-scatter, and its own `buckets`). `params`: the
     (name, parameter) pairs of `model` this object reduces (default: all; expert parallelism reduces its experts
-    over another group).
+    over another group). It is a `GradSync` (minidist/parallel/grad_sync.py): what `ParallelModel` calls.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -264,6 +265,7 @@ class DataParallel:
         named = [(n, p) for n, p in (params if params is not None else model.named_parameters()) if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters that require gradients")
+        self.named = named
         element_size = torch.empty((), dtype=reduce_dtype).element_size()
         # Padding every bucket to a multiple of the group size keeps the ring's chunks equal (and the ledger's
         # bytes exactly 2(N-1)/N of the bucket); the few zeros cost nothing.
@@ -312,6 +314,14 @@ class DataParallel:
         """Drop this step's gradients now (the next forward would anyway), after finishing its collectives."""
         self.finish_grad_sync()
         self._reset()
+
+    def comms(self) -> list[Comm]:
+        return [self.comm]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The flat gradient buckets (and ZeRO's gradient shards) besides the parameters' `.grad`."""
+        grads = [t for b in self.buckets for t in (b.grad, b.grad_shard) if t is not None]
+        return {"params": [], "grads": grads}
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

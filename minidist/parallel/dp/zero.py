@@ -55,6 +55,7 @@ from minidist.parallel.dp.data_parallel import (
 from minidist.parallel.dp.timeline import Timeline
 from minidist.parallel.dp.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
 from minidist.parallel.dp.zero_params import FlatParams, ParamHome, ShardedParams, default_units, unit_buckets
+from minidist.parallel.grad_sync import GradSync, OwnedRange
 from minidist.parallel.placement import GradPiece, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import is_tied
 
@@ -66,7 +67,7 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.Adadelta, torch.optim.Adagrad, torch.optim
                           torch.optim.RMSprop, torch.optim.Rprop, torch.optim.SGD)
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(GradSync):
     """Data parallelism at ZeRO `stage` (0-3) over `comm`: gradient reduction, a sharded optimizer, clipping.
 
     `optimizer` is the unsharded optimizer you would use on one device (e.g. AdamW over param groups); it serves as
@@ -89,6 +90,7 @@ class ZeroOptimizer:
     `params` (default: all the model's) are the (name, parameter) pairs this object shards over `comm`, and the sum
     of their gradients over the group is divided by `grad_divisor` (default: the group size, the average): expert
     parallelism shards the expert weights over edp and divides by dp·cp (minidist/parallel/ep/expert_grads.py).
+    It is a `GradSync` (minidist/parallel/grad_sync.py): what `ParallelModel` calls.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int = 1, *,
@@ -185,17 +187,26 @@ class ZeroOptimizer:
             return [(p.grad, self.placements[id(p)]) for b in self.buckets for p in b.params if p.grad is not None]
         return [(grad, self.placements[id(param)]) for param, _, _, grad in self._owned_slices()]
 
-    def owned_ranges(self) -> list[tuple[str, int, int, torch.Tensor]]:
-        """(name, start, stop, key) per parameter this rank updates: its elements [start, stop) of the parameter's
-        flattened (local) tensor, and the tensor the optimizer's state is keyed by (the view of the shard; stage 0:
-        the parameter, whole). What a checkpoint another layout can read is built from (`minidist.train.reshard`)."""
+    def owned_ranges(self) -> list[OwnedRange]:
+        """The parameter ranges this rank updates: elements [start, stop) of each parameter's flattened (local)
+        tensor, keyed in the optimizer's state by the view of the shard (stage 0: the parameter, whole). What a
+        checkpoint another layout can read is built from (`minidist.train.reshard`)."""
+        shapes = {id(p): tuple(s) for b in self.buckets for p, s in zip(b.params, b.shapes)}  # before ZeRO-3 empties
         if self.stage == 0:
-            return [(n, 0, p.numel(), p) for n, p in self.named]
+            return [OwnedRange(n, 0, p.numel(), p, self.optimizer, self.placements[id(p)], shapes[id(p)])
+                    for n, p in self.named]
         # the optimizer holds the views an earlier _owned_slices made: each found by its address
         keys = {piece.data_ptr(): piece for g in self.optimizer.param_groups for piece in g["params"]}
         names = {id(p): n for n, p in self.named}
-        return [(names[id(param)], first, first + piece.numel(), keys[piece.data_ptr()])
+        return [OwnedRange(names[id(param)], first, first + piece.numel(), keys[piece.data_ptr()], self.optimizer,
+                           self.placements[id(param)], shapes[id(param)], self.comm.name)
                 for param, first, piece, _ in self._owned_slices()]
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def comms(self) -> list[Comm]:
+        return [self.comm]
 
     def norm_groups(self) -> dict[str, Comm]:
         """The groups over which `grad_pieces()` are disjoint: dp_cp when sharded; none when every rank holds the
@@ -276,6 +287,15 @@ class ZeroOptimizer:
         return pieces
 
     # -- memory ---------------------------------------------------------------------------------------------------
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.stage == 3
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The flat parameter buffers and shards, and the gradient buckets and shards (stage 0: the buckets)."""
+        grads = [t for b in self.buckets for t in (b.grad, b.grad_shard) if t is not None]
+        return {"params": self.params.buffers(), "grads": grads}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the model states this rank holds right now: parameters, gradients, optimizer state.

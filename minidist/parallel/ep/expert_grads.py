@@ -8,11 +8,12 @@ the same model, each over its own parameters and group:
     dense parameters    DataParallel / ZeroOptimizer over dp_cp     sum / (dp·cp)
     expert parameters   DataParallel / ZeroOptimizer over edp       sum / (dp·cp), ZeRO shards over edp
 
-`ExpertReplicas` holds the pair and answers what `ParallelModel` asks of a gradient reduction (and, under ZeRO, of
-an optimizer). The global gradient norm goes through the one norm function (`layout.grad_norm`): with whole
-gradients (no ZeRO) a dense gradient is the same on every ep rank and an expert gradient is not, so squares are
-summed over ep and each dense piece counts 1/ep (its placement's "ep" split says ep copies); under ZeRO every piece
-is a slice, disjoint over dp_cp (= ep × edp), so the squares are summed over dp_cp.
+`ExpertReplicas` holds the pair and answers what `ParallelModel` asks of a gradient reduction (a `GradSync`,
+minidist/parallel/grad_sync.py) and, under ZeRO, of an optimizer. The global gradient norm goes through the one
+norm function (`layout.grad_norm`): with whole gradients (no ZeRO) a dense gradient is the same on every ep rank
+and an expert gradient is not, so squares are summed over ep and each dense piece counts 1/ep (its placement's
+"ep" split says ep copies); under ZeRO every piece is a slice, disjoint over dp_cp (= ep × edp), so the squares
+are summed over dp_cp.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from minidist.comm.topology import Topology
 from minidist.parallel.dp.data_parallel import AllReduceGrads, DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.ep.expert import is_expert_param
-from minidist.parallel.placement import GradPiece, placement_of
+from minidist.parallel.grad_sync import GradSync, OwnedRange
+from minidist.parallel.placement import GradPiece
 
 
-class ExpertReplicas:
+class ExpertReplicas(GradSync):
     """Dense gradients averaged over dp_cp, expert gradients summed over edp and divided by dp·cp; ZeRO (stage > 0)
     shards each group's optimizer state (and gradients, parameters) over its own group.
 
@@ -44,8 +46,8 @@ class ExpertReplicas:
         experts = [(n, p) for n, p in named if is_expert_param(p)]
         dense = [(n, p) for n, p in named if not is_expert_param(p)]
         dp_cp, edp, replicas = topo.comm("dp_cp"), topo.comm("edp"), topo.size("dp_cp")
-        self.model, self.stage = model, stage
-        self.engines: list[DataParallel | ZeroOptimizer]
+        self.model, self.named, self.stage = model, named, stage
+        self.engines: list[GradSync]
         if stage > 0:
             self.engines = [ZeroOptimizer(model, optimizer, dp_cp, stage, params=dense),
                             ZeroOptimizer(model, optimizer, edp, stage, params=experts, grad_divisor=replicas)]
@@ -73,14 +75,34 @@ class ExpertReplicas:
             engine.zero_grad()
 
     def grad_pieces(self) -> list[GradPiece]:
-        """This rank's gradient pieces with their placements (after `finish_grad_sync`)."""
+        """This rank's gradient pieces with their placements (after `finish_grad_sync`): ZeRO's slices, or whole
+        gradients in model order."""
         if self.stage > 0:
             return [piece for engine in self.engines for piece in engine.grad_pieces()]
-        return [(p.grad, placement_of(p)) for p in self.model.parameters() if p.grad is not None]
+        return super().grad_pieces()
 
     def norm_groups(self) -> dict[str, Comm]:
         """The groups over which `grad_pieces()` are summed (see the module docstring)."""
         return dict(self.norm_comms)
+
+    def comms(self) -> list[Comm]:
+        return [comm for engine in self.engines for comm in engine.comms()]
+
+    # -- what the two engines hold ------------------------------------------------------------------------------------
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.stage == 3
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [optimizer for engine in self.engines for optimizer in engine.optimizers()]
+
+    def owned_ranges(self) -> list[OwnedRange]:
+        return [owned for engine in self.engines for owned in engine.owned_ranges()]
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held = [engine.held_tensors() for engine in self.engines]
+        return {kind: [t for h in held for t in h[kind]] for kind in ("params", "grads")}
 
     # -- the optimizer's face (stages 1-3) ----------------------------------------------------------------------------
 
@@ -106,7 +128,7 @@ class ExpertReplicas:
         one at a time (ZeRO-3: one unit of one engine gathered at a time; every rank walks the model in the same
         order, so the two groups' gathers interleave alike on all ranks)."""
         if self.stage == 0:
-            yield from ((n, p.detach()) for n, p in self.model.named_parameters())
+            yield from super().iter_full_parameters()
             return
         streams = [engine.iter_full_parameters() for engine in self.engines]
         engine_of = {n: i for i, engine in enumerate(self.engines) for n, _ in engine.named}
@@ -117,12 +139,11 @@ class ExpertReplicas:
     def param_pieces(self) -> dict[str, torch.Tensor]:
         """The part of each parameter this rank updates, by name (see `ZeroOptimizer.param_pieces`)."""
         if self.stage == 0:
-            return {n: p.detach() for n, p in self.model.named_parameters()}
+            return super().param_pieces()
         return {**self.engines[0].param_pieces(), **self.engines[1].param_pieces()}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """This rank's reduced gradients by name (expert weights: its block), assembled from ZeRO's shards."""
-        self.finish_grad_sync()
         if self.stage == 0:
-            return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+            return super().full_gradients()
         return {**self.engines[0].full_gradients(), **self.engines[1].full_gradients()}
