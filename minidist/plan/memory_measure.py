@@ -49,7 +49,7 @@ def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Ten
     (the parallelized model, its topology, this rank's micro-batches of `data`, the model's buffers)."""
     dims = ParallelDims(**case["dims"])
     options = ParallelOptions(**case.get("options", {}))
-    topo = Topology(dims, dist.get_rank(), dist.get_world_size())
+    topo = Topology.from_env(dims)
     model = build_model(cfg, seed=seed)
     if case.get("recompute"):
         apply_recompute(model)
