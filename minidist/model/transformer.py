@@ -28,7 +28,7 @@ class Block(nn.Module):
         self.attn = build_attention(cfg)
         self.mlp_norm = build_norm(cfg)
         if cfg.moe.n_experts > 0 and layer_index >= cfg.moe.first_dense_layers:
-            from minidist.model.moe import MoELayer
+            from minidist.model.moe.layer import MoELayer
 
             self.mlp = MoELayer(cfg, layer_index=layer_index)
         else:
