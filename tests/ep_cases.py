@@ -26,7 +26,7 @@ from minidist.model.moe.stats import moe_layers, moe_stats, update_router_biases
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.ep.expert import ExpertParallelExperts, apply_expert_parallel, expected_ep_bytes
 from minidist.parallel.placement import full_tensor, placement_of
-from minidist.parallel.tp.tensor import expected_tp_traffic
+from minidist.parallel.tp.traffic import expected_tp_traffic
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 2 layers over pp 2; 4 experts over ep 2 or 4.
 BASE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
