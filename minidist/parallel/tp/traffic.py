@@ -3,6 +3,8 @@ tests compare it with the ledger of a real run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from minidist.comm.communicator import ring_bytes_sent
 from minidist.model.config import ModelConfig
 
@@ -46,6 +48,14 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
         add("all_reduce", act, 4)  # embedding's g, forward
     add("all_reduce", (n_tokens,), 4)  # loss: max of the logits
     add("all_reduce", (2, n_tokens), 4)  # loss: sum of exponentials and the target logit, together
+    _add_parameter_sums(add, cfg, tp, sequence_parallel, moe)
+    return dict(sorted(counts.items()))
+
+
+def _add_parameter_sums(add: Callable[..., None], cfg: ModelConfig, tp: int, sequence_parallel: bool,
+                        moe: int) -> None:
+    """The gradient sums of replicated parameters each tp rank uses on different data (`moe`: the MoE blocks)."""
+    L = cfg.n_layers
     if cfg.attention == "gqa" and cfg.n_kv_heads % tp and tp > 1:  # replicated kv heads: wk, wv (biases) summed
         kv_rows = cfg.n_kv_heads * cfg.head_dim
         add("all_reduce", (kv_rows, cfg.d_model), 4, 2 * L)
@@ -65,4 +75,3 @@ def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, seq
             add("all_reduce", (cfg.d_model,), 4, 2 * L - moe)
         if cfg.position == "learned":
             add("all_reduce", (cfg.max_seq_len, cfg.d_model), 4)
-    return dict(sorted(counts.items()))
