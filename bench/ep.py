@@ -40,7 +40,7 @@ from minidist.comm.topology import ParallelDims, Topology
 from minidist.data.corpus import BatchSampler, load_corpus
 from minidist.memory import storage_bytes
 from minidist.model import build_model, get_preset
-from minidist.model.moe import moe_layers
+from minidist.model.moe.stats import moe_layers
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.train.optim import build_optimizer
 

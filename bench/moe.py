@@ -23,7 +23,8 @@ import time
 import torch
 
 from minidist.model import get_preset
-from minidist.model.moe import MoELayer, grouped_mm_works, moe_forward_naive
+from minidist.model.moe.dispatch import grouped_mm_works
+from minidist.model.moe.layer import MoELayer, moe_forward_naive
 
 CONFIGS = {
     # name: (n_experts, top_k, d_expert as a multiple of d_model, n_shared)

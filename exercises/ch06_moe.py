@@ -27,7 +27,7 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, n_experts:
     the batch-wise loss is 1 and the sequence-wise loss is N/k = 2. Uniform probabilities give exactly 1.
 
     Hints: torch.nn.functional.one_hot(indices, n_experts).sum(dim=(1, 2)) counts slots per sequence and expert;
-    with B = 1 the result must equal minidist.model.moe.load_balancing_loss.
+    with B = 1 the result must equal minidist.model.moe.routing.load_balancing_loss.
     """
     raise NotImplementedError("exercise: the Switch balance loss computed per sequence, then averaged")
 
@@ -42,7 +42,7 @@ def drop_by_score(indices: torch.Tensor, gates: torch.Tensor, n_experts: int, ca
       - keep min(routed, capacity) of the slots routed to it;
       - never drop a slot whose gate is higher than one kept;
       - among equal gates, the lower slot number r·T + t wins (so with all gates equal this *is* GShard's rule —
-        the grader checks it against minidist.model.moe.plan_dispatch).
+        the grader checks it against minidist.model.moe.dispatch.plan_dispatch).
 
     One way, without a Python loop over tokens: flatten the slots in slot order (indices.t().reshape(-1), the same
     for gates); sort them by gate, descending, with a *stable* sort (ties keep slot order); then stable-sort that
@@ -66,7 +66,7 @@ def group_limited_top_k(scores: torch.Tensor, k: int, n_groups: int, top_groups:
       3. return the k best experts among the kept groups' experts, best first (equal scores: lower index first),
          as an int64 tensor [T, k].
     So each token's experts live on at most top_groups nodes, which bounds its all-to-all traffic. With
-    top_groups == n_groups this is plain top-k (minidist.model.moe.top_k_indices).
+    top_groups == n_groups this is plain top-k (minidist.model.moe.routing.top_k_indices).
 
     Hints: scores.view(T, n_groups, N // n_groups).topk(2, dim=-1) gives each group's two best; build a [T, N]
     mask of allowed experts (repeat_interleave the group mask) and fill the others with -inf — not 0, because a

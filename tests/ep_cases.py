@@ -21,11 +21,12 @@ from minidist.comm.communicator import Ledger
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, build_model, get_preset, lm_loss
-from minidist.model import moe as M
+from minidist.model.moe.layer import MoELayer
+from minidist.model.moe.stats import moe_layers, moe_stats, update_router_biases
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.ep.expert import ExpertParallelExperts, apply_expert_parallel, expected_ep_bytes
 from minidist.parallel.placement import full_tensor, placement_of
-from minidist.parallel.tp.tensor import expected_tp_traffic
+from minidist.parallel.tp.traffic import expected_tp_traffic
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 2 layers over pp 2; 4 experts over ep 2 or 4.
 BASE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
@@ -90,11 +91,11 @@ def reference(router: str, microbatches: int = 1, steps: int = STEPS) -> dict:
         out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), parity.GRAD_CLIP).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        M.update_router_biases(model)
-        out["stats"].append(M.moe_stats(model))
+        update_router_biases(model)
+        out["stats"].append(moe_stats(model))
         out["losses"].append(loss_sum / count.item())
         out["aux"].append(aux_sum)
-    out["biases"] = torch.stack([m.router_bias for m in M.moe_layers(model)])
+    out["biases"] = torch.stack([m.router_bias for m in moe_layers(model)])
     return out
 
 
@@ -117,7 +118,7 @@ def _layout(name: str, router: str, dims: dict, zero: int, microbatches: int, sp
     topo = Topology(ParallelDims(**dims), dist.get_rank(), dist.get_world_size())
     options = ParallelOptions(sequence_parallel=sp, microbatches=microbatches, zero=zero)
     parallel = parallelize(build_model(cfg, seed=parity.SEED), cfg, topo, options, make_optimizer)
-    experts = [m.experts for m in M.moe_layers(parallel.model) if isinstance(m.experts, ExpertParallelExperts)]
+    experts = [m.experts for m in moe_layers(parallel.model) if isinstance(m.experts, ExpertParallelExperts)]
     dp, dp_i = topo.size("dp"), topo.coord("dp")
     out: dict = {"name": name, "losses": [], "aux": [], "norms": [], "stats": [], "dims": dims}
     for step in range(STEPS):
@@ -148,7 +149,7 @@ def _layout(name: str, router: str, dims: dict, zero: int, microbatches: int, sp
         out["aux"].append(losses.aux_loss)
     keep = topo.rank in (0, topo.world_size - 1)  # both ends of the grid: every stage and shard position
     out["grads"] = grads if keep else None
-    out["biases"] = {m.layer_index: m.router_bias.clone() for m in M.moe_layers(parallel.model)}
+    out["biases"] = {m.layer_index: m.router_bias.clone() for m in moe_layers(parallel.model)}
     return out
 
 
@@ -160,7 +161,7 @@ def _starved() -> dict:
     topo = Topology(ParallelDims(dp=2, ep=2), rank, 2)
     layers = []
     for parallel in (False, True):
-        layer = M.MoELayer(model_config("sigmoid_bias_cf").replace(d_model=16)).double()
+        layer = MoELayer(model_config("sigmoid_bias_cf").replace(d_model=16)).double()
         with torch.no_grad():
             for param in layer.parameters():
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64))

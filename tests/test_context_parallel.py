@@ -31,7 +31,7 @@ from minidist.comm.communicator import Comm, Ledger
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.model import moe as moe_routing
+from minidist.model.moe.stats import update_router_biases
 from minidist.parallel import ParallelOptions, parallelize
 from minidist.parallel.cp import (
     Work,
@@ -191,7 +191,7 @@ def _moe_reference(steps: int) -> dict:
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        moe_routing.update_router_biases(model)
+        update_router_biases(model)
         losses.append(loss.item())
     return {"losses": losses, "grad_norms": grad_norms, "grads": first_grads}
 

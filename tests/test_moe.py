@@ -9,19 +9,10 @@ import torch.nn.functional as F
 
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.config import ModelConfig
-from minidist.model.moe import (
-    MoELayer,
-    expert_capacity,
-    grouped_mm_works,
-    load_balancing_loss,
-    moe_forward_naive,
-    moe_stats,
-    plan_dispatch,
-    route,
-    router_z_loss,
-    top_k_indices,
-    update_router_biases,
-)
+from minidist.model.moe.dispatch import expert_capacity, grouped_mm_works, plan_dispatch
+from minidist.model.moe.layer import MoELayer, moe_forward_naive
+from minidist.model.moe.routing import load_balancing_loss, route, router_z_loss, top_k_indices
+from minidist.model.moe.stats import moe_stats, update_router_biases
 
 
 @pytest.fixture(autouse=True)

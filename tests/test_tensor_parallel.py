@@ -33,12 +33,8 @@ from minidist.model import build_model
 from minidist.model.init import init_value
 from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.placement import clip_grad_norm_, full_tensor, gather_full, placement_of
-from minidist.parallel.tp.tensor import (
-    apply_tensor_parallel,
-    expected_tp_traffic,
-    tensor_parallel_plan,
-    validate_tensor_parallel,
-)
+from minidist.parallel.tp.tensor import apply_tensor_parallel, tensor_parallel_plan, validate_tensor_parallel
+from minidist.parallel.tp.traffic import expected_tp_traffic
 from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy, vocab_parallel_lm_loss
 
 # GPT-2's choices (GELU, LayerNorm with biases, learned positions, tied embeddings) on the parity shapes; with

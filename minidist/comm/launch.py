@@ -166,13 +166,7 @@ def run_ranks(
     `case` describes what this launch runs (e.g. "world 3, group [0, 2], shape (7,)") for those messages.
     """
     __tracebackhide__ = True  # pytest: show the caller's line and the message, not this function's source
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(
-            f"run_ranks needs an importable function, but {fn.__qualname__} is defined in __main__ or inside "
-            "another function; move it to a module (in a notebook: %%writefile a .py file and import it)"
-        )
+    _check_launchable(fn, world_size)
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     where = fn.__qualname__ + (f" (case: {case})" if case else "")
@@ -184,39 +178,11 @@ def run_ranks(
     results = ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
     stack_files = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(world_size)]
-    processes = []
-    for rank in range(world_size):
-        process = ctx.Process(
-            target=_worker,
-            args=(rank, world_size, store.port, timeout, threads_per_rank, fn, args, kwargs, results,
-                  stack_files[rank]),
-            name=f"minidist-rank{rank}",
-            daemon=True,
-        )
-        process.start()
-        processes.append(process)
-
-    outputs: dict[int, Any] = {}
-    failures: dict[int, _Failure] = {}
-    deadline = time.monotonic() + timeout
-    settle_by = None
+    processes = [_start_rank(ctx, rank, (rank, world_size, store.port, timeout, threads_per_rank, fn, args, kwargs,
+                                         results, stack_files[rank]))
+                 for rank in range(world_size)]
     try:
-        while len(outputs) + len(failures) < world_size:
-            now = time.monotonic()
-            if failures and now >= min(settle_by, deadline):
-                break
-            if now >= deadline:
-                running = [r for r in range(world_size) if r not in outputs]
-                raise LaunchTimeout(_describe_timeout(where, world_size, timeout, running, processes, stack_files))
-            try:
-                _record(results.get(timeout=min(0.2, deadline - now)), outputs, failures)
-            except queue.Empty:
-                _record_a_silent_exit(processes, results, outputs, failures)
-            if failures and settle_by is None:
-                settle_by = time.monotonic() + _SETTLE_S
-        if failures:
-            running = [r for r in range(world_size) if r not in outputs and r not in failures]
-            raise RankFailed(_describe_failures(where, world_size, failures, running))
+        outputs = _collect(results, processes, where, timeout, stack_files)
     finally:
         for process in processes:
             if process.is_alive():
@@ -227,6 +193,53 @@ def run_ranks(
         del store
         shutil.rmtree(stack_dir, ignore_errors=True)
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _check_launchable(fn: Callable[..., Any], world_size: int) -> None:
+    """ValueError unless `world_size` is positive and a forkserver child can import `fn` by its qualified name."""
+    __tracebackhide__ = True
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(
+            f"run_ranks needs an importable function, but {fn.__qualname__} is defined in __main__ or inside "
+            "another function; move it to a module (in a notebook: %%writefile a .py file and import it)"
+        )
+
+
+def _start_rank(ctx: mp.context.BaseContext, rank: int, worker_args: tuple) -> Any:
+    """Start the process of one rank, running `_worker(*worker_args)`."""
+    process = ctx.Process(target=_worker, args=worker_args, name=f"minidist-rank{rank}", daemon=True)
+    process.start()
+    return process
+
+
+def _collect(results: Any, processes: list, where: str, timeout: float, stack_files: list[str]) -> dict[int, Any]:
+    """Every rank's result by rank. Raises LaunchTimeout at the deadline, and RankFailed once the ranks that fail
+    after a first failure have had `_SETTLE_S` to report (so that the earliest can be named)."""
+    __tracebackhide__ = True
+    world_size = len(processes)
+    outputs: dict[int, Any] = {}
+    failures: dict[int, _Failure] = {}
+    deadline = time.monotonic() + timeout
+    settle_by = None
+    while len(outputs) + len(failures) < world_size:
+        now = time.monotonic()
+        if failures and now >= min(settle_by, deadline):
+            break
+        if now >= deadline:
+            running = [r for r in range(world_size) if r not in outputs]
+            raise LaunchTimeout(_describe_timeout(where, world_size, timeout, running, processes, stack_files))
+        try:
+            _record(results.get(timeout=min(0.2, deadline - now)), outputs, failures)
+        except queue.Empty:
+            _record_a_silent_exit(processes, results, outputs, failures)
+        if failures and settle_by is None:
+            settle_by = time.monotonic() + _SETTLE_S
+    if failures:
+        running = [r for r in range(world_size) if r not in outputs and r not in failures]
+        raise RankFailed(_describe_failures(where, world_size, failures, running))
+    return outputs
 
 
 def _record(message: tuple, outputs: dict[int, Any], failures: dict[int, _Failure]) -> None:

@@ -58,11 +58,3 @@ class GroupedQueryAttention(nn.Module):
             k = apply_rotary(k, cos, sin, self.rope_layout)
         y = self.core(q, k, v)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))
-
-
-def build_attention(cfg: ModelConfig) -> nn.Module:
-    if cfg.attention == "mla":
-        from minidist.model.mla import MultiHeadLatentAttention
-
-        return MultiHeadLatentAttention(cfg)
-    return GroupedQueryAttention(cfg)

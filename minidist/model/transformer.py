@@ -13,11 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.model.attention import Rope, build_attention
+from minidist.model.attention import GroupedQueryAttention, Rope
 from minidist.model.config import ModelConfig
 from minidist.model.init import init_parameters
 from minidist.model.layers import build_mlp, build_norm
+from minidist.model.mla import MultiHeadLatentAttention
 from minidist.model.rope import rope_cos_sin, rope_for_config
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    """The attention `cfg.attention` names: multi-head latent ("mla"), else grouped-query (MHA, GQA, MQA)."""
+    if cfg.attention == "mla":
+        return MultiHeadLatentAttention(cfg)
+    return GroupedQueryAttention(cfg)
 
 
 class Block(nn.Module):
@@ -29,7 +37,7 @@ class Block(nn.Module):
         self.attn = build_attention(cfg)
         self.mlp_norm = build_norm(cfg)
         if cfg.moe.n_experts > 0 and layer_index >= cfg.moe.first_dense_layers:
-            from minidist.model.moe import MoELayer
+            from minidist.model.moe.layer import MoELayer
 
             self.mlp = MoELayer(cfg, layer_index=layer_index)
         else:

@@ -39,7 +39,7 @@ from torch import nn
 
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, lm_loss
-from minidist.model import moe as moe_routing
+from minidist.model.moe import stats as moe_routing
 from minidist.parallel.dp.data_parallel import DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.ep.expert import apply_expert_parallel, is_expert_param, validate_expert_parallel

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from minidist.model import Transformer, build_model, get_preset, lm_loss
-from minidist.model.moe import MoELayer
+from minidist.model.moe.layer import MoELayer
 
 MODULE = "ch01_flops"
 pytestmark = pytest.mark.usefixtures("one_thread")

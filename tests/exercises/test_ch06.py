@@ -10,7 +10,8 @@ import pytest
 import torch
 from grading import load
 
-from minidist.model import moe as M
+from minidist.model.moe.dispatch import expert_capacity, plan_dispatch
+from minidist.model.moe.routing import load_balancing_loss, route, top_k_indices
 
 MODULE = "ch06_moe"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _routing(batch: int, seq: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     probs = (torch.randn(batch, seq, n, generator=g, dtype=torch.float64) * 2).softmax(-1)
-    return probs, M.top_k_indices(probs, k)
+    return probs, top_k_indices(probs, k)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -28,9 +29,9 @@ def _routing(batch: int, seq: int, n: int, k: int, seed: int) -> tuple[torch.Ten
 
 def _loss_hint(got: float, probs: torch.Tensor, indices: torch.Tensor, n: int) -> str:
     k = indices.shape[-1]
-    per_sequence = [M.load_balancing_loss(p, i, n).item() for p, i in zip(probs, indices)]
+    per_sequence = [load_balancing_loss(p, i, n).item() for p, i in zip(probs, indices)]
     expected = sum(per_sequence) / len(per_sequence)
-    batch_wise = M.load_balancing_loss(probs.reshape(-1, n), indices.reshape(-1, k), n).item()
+    batch_wise = load_balancing_loss(probs.reshape(-1, n), indices.reshape(-1, k), n).item()
     variants = {"the batch-wise loss: compute f and P for each sequence, then average the losses": batch_wise,
                 "the sum over sequences: average them": sum(per_sequence),
                 f"k = {k} times too large: f_i counts slots, divide by T·k so that Σ f_i = 1": expected * k,
@@ -44,7 +45,7 @@ def test_ch06_sequence_balance_loss_value(impl: str, batch: int) -> None:
     n, k = 8, 2
     probs, indices = _routing(batch, 16, n, k, seed=batch)
     got = sequence_balance_loss(probs, indices, n)
-    expected = sum(M.load_balancing_loss(p, i, n) for p, i in zip(probs, indices)) / batch
+    expected = sum(load_balancing_loss(p, i, n) for p, i in zip(probs, indices)) / batch
     assert torch.is_tensor(got) and got.dim() == 0, "sequence_balance_loss must return a scalar tensor"
     assert abs(got.item() - expected.item()) < 1e-9, (
         f"sequence_balance_loss(B={batch}, T=16, N={n}, k={k}): got {got.item():.6f}, expected "
@@ -59,7 +60,7 @@ def test_ch06_sequence_balance_loss_gradient(impl: str) -> None:
     sequence_balance_loss(probs, indices, n).backward()
     got = probs.grad.clone()
     probs.grad = None
-    (sum(M.load_balancing_loss(p, i, n) for p, i in zip(probs, indices)) / 3).backward()
+    (sum(load_balancing_loss(p, i, n) for p, i in zip(probs, indices)) / 3).backward()
     close = torch.allclose(got, probs.grad, rtol=0, atol=1e-12)
     assert close, ("sequence_balance_loss: its gradient with respect to probs is wrong — P_i (the mean probability) "
                    "carries the gradient, f_i is a count and carries none")
@@ -78,7 +79,7 @@ def test_ch06_sequence_balance_loss_uniform_and_split(impl: str) -> None:
     probs = torch.zeros(2, seq, n, dtype=torch.float64)
     probs[0, :, :2] = probs[1, :, 2:] = 0.5
     split = torch.stack((torch.tensor([[0, 1]] * seq), torch.tensor([[2, 3]] * seq)))
-    batch_wise = M.load_balancing_loss(probs.reshape(-1, n), split.reshape(-1, k), n).item()
+    batch_wise = load_balancing_loss(probs.reshape(-1, n), split.reshape(-1, k), n).item()
     got = sequence_balance_loss(probs, split, n).item()
     assert abs(batch_wise - 1) < 1e-12 and abs(got - n / k) < 1e-12, (
         f"sequence_balance_loss: two sequences that each use only 2 of 4 experts (but all 4 together) give {got}, "
@@ -118,8 +119,8 @@ def test_ch06_drop_by_score_keeps_the_highest_gates(impl: str) -> None:
     n, k, num_tokens = 8, 2, 64
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(num_tokens, n, generator=g) + torch.linspace(1.0, 0.0, n)  # some experts overloaded
-    routing = M.route(logits, k, "softmax")
-    capacity = M.expert_capacity(num_tokens, n, k, 1.0)
+    routing = route(logits, k, "softmax")
+    capacity = expert_capacity(num_tokens, n, k, 1.0)
     keep = drop_by_score(routing.indices, routing.weights, n, capacity)
     _check_kept(keep, routing.indices, routing.weights, n, capacity, f"drop_by_score(T={num_tokens}, N={n}, k={k}, "
                                                                      f"capacity {capacity})")
@@ -130,7 +131,7 @@ def test_ch06_drop_by_score_ties(impl: str) -> None:
     drop_by_score = load(impl, MODULE, "drop_by_score")
     n, k, num_tokens = 4, 2, 24
     g = torch.Generator().manual_seed(1)
-    indices = M.top_k_indices(torch.randn(num_tokens, n, generator=g), k)
+    indices = top_k_indices(torch.randn(num_tokens, n, generator=g), k)
     # Gates on a coarse grid: many ties, including at the capacity boundary.
     gates = torch.randint(1, 4, (num_tokens, k), generator=g).float() / 4
     keep = drop_by_score(indices, gates, n, 5)
@@ -138,7 +139,7 @@ def test_ch06_drop_by_score_ties(impl: str) -> None:
     # With all gates equal, dropping by score is GShard's rule, which minidist's plan_dispatch implements.
     equal = torch.ones(num_tokens, k)
     keep = drop_by_score(indices, equal, n, 5)
-    plan = M.plan_dispatch(indices, equal, n, 5)
+    plan = plan_dispatch(indices, equal, n, 5)
     gshard = torch.zeros(k * num_tokens, dtype=torch.bool)
     gshard[plan.slot] = True
     same = torch.equal(keep, gshard.view(k, num_tokens).t())
@@ -149,7 +150,7 @@ def test_ch06_drop_by_score_ties(impl: str) -> None:
 
 def test_ch06_drop_by_score_large_capacity_keeps_all(impl: str) -> None:
     drop_by_score = load(impl, MODULE, "drop_by_score")
-    routing = M.route(torch.randn(16, 4, generator=torch.Generator().manual_seed(2)), 2, "softmax")
+    routing = route(torch.randn(16, 4, generator=torch.Generator().manual_seed(2)), 2, "softmax")
     keep = drop_by_score(routing.indices, routing.weights, 4, 32)
     assert keep.all(), "drop_by_score with capacity 32 ≥ all 32 slots must keep every slot"
 
@@ -162,7 +163,7 @@ def test_ch06_group_limited_top_k_without_a_limit_is_top_k(impl: str) -> None:
     group_limited_top_k = load(impl, MODULE, "group_limited_top_k")
     scores = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
     got = group_limited_top_k(scores, 4, 4, 4)
-    same = torch.equal(got, M.top_k_indices(scores, 4))
+    same = torch.equal(got, top_k_indices(scores, 4))
     assert same, ("group_limited_top_k(top_groups = n_groups = 4): with every group allowed it must be plain top-k "
                   "(best first; equal scores: lower expert index first)")
 

@@ -33,7 +33,7 @@ from torch import nn
 from minidist.comm.communicator import Comm
 from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
-from minidist.model.moe import MoELayer
+from minidist.model.moe.layer import MoELayer
 from minidist.parallel.cp.allgather import allgather_attention
 from minidist.parallel.cp.blockwise import Work
 from minidist.parallel.cp.ring import ring_attention

@@ -45,7 +45,8 @@ from torch import nn
 
 from minidist.comm.communicator import Comm, Handle
 from minidist.model.config import ModelConfig
-from minidist.model.moe import Experts, moe_layers
+from minidist.model.moe.dispatch import Experts
+from minidist.model.moe.stats import moe_layers
 from minidist.parallel.placement import Split, placement_of, set_split
 
 __all__ = [

@@ -84,83 +84,102 @@ class _Unit:
 
 def replay(programs: Sequence[Sequence[Post | Wait]]) -> Outcome:
     """Play every rank's program under NCCL's rules (module docstring) until all is done or nothing can move."""
-    world = len(programs)
-    cursor = [0] * world
-    streams: dict[tuple, list[_Unit]] = {}  # (rank, stream) -> units not finished yet, in posting order
-    holder: list[dict[Hashable, _Unit]] = [{} for _ in range(world)]  # message -> the unit of this rank holding it
-    # Per ordered pair (src, dst): the sends src posted to dst and the receives dst posted from src, in order.
-    sends: dict[tuple[int, int], list[tuple[_Unit, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[_Unit, int]]] = {}
-    checked: dict[tuple[int, int], int] = {}  # pairings already compared, per ordered pair
-    completed: dict[tuple[int, int], int] = {}  # pairings that have moved their data, per ordered pair
-    outcome = Outcome(deadlock=False)
+    return _Replay(programs).run()
 
-    def post(rank: int, item: Post) -> None:
+
+class _Replay:
+    """The state of one replay: each rank's place in its program, its streams, and the queues of every pair."""
+
+    def __init__(self, programs: Sequence[Sequence[Post | Wait]]) -> None:
+        self.programs, self.world = programs, len(programs)
+        self.cursor = [0] * self.world
+        self.streams: dict[tuple, list[_Unit]] = {}  # (rank, stream) -> units not finished yet, in posting order
+        self.holder: list[dict[Hashable, _Unit]] = [{} for _ in programs]  # message -> this rank's unit holding it
+        # Per ordered pair (src, dst): the sends src posted to dst and the receives dst posted from src, in order.
+        self.sends: dict[tuple[int, int], list[tuple[_Unit, int]]] = {}
+        self.recvs: dict[tuple[int, int], list[tuple[_Unit, int]]] = {}
+        self.checked: dict[tuple[int, int], int] = {}  # pairings already compared, per ordered pair
+        self.completed: dict[tuple[int, int], int] = {}  # pairings that have moved their data, per ordered pair
+        self.outcome = Outcome(deadlock=False)
+
+    def run(self) -> Outcome:
+        while self.move_hosts() | self.move_streams():
+            pass
+        outcome = self.outcome
+        for rank, program in enumerate(self.programs):
+            if self.cursor[rank] < len(program):
+                outcome.blocked[rank] = f"waits on {program[self.cursor[rank]].message!r}"
+        for (rank, stream), queue in self.streams.items():
+            if queue:
+                head = [op for op, done in zip(queue[0].ops, queue[0].done) if not done]
+                outcome.blocked.setdefault(rank, f"stream {stream} stuck on {head}")
+                outcome.stuck.setdefault(rank, []).extend(head)
+        outcome.deadlock = bool(outcome.blocked)
+        return outcome
+
+    def post(self, rank: int, item: Post) -> None:
         for op in item.ops:
-            if not 0 <= op.peer < world or op.peer == rank:
-                raise ValueError(f"rank {rank} posts {op} to a peer outside 0..{world - 1} or to itself")
+            if not 0 <= op.peer < self.world or op.peer == rank:
+                raise ValueError(f"rank {rank} posts {op} to a peer outside 0..{self.world - 1} or to itself")
         stream = ("group",) if item.batched else ("pair", min(rank, item.ops[0].peer), max(rank, item.ops[0].peer))
         unit = _Unit(rank, stream, item.ops, [False] * len(item.ops))
-        streams.setdefault((rank, stream), []).append(unit)
+        self.streams.setdefault((rank, stream), []).append(unit)
         for i, op in enumerate(item.ops):
-            holder[rank][op.message] = unit
-            queue = sends.setdefault((rank, op.peer), []) if op.kind == SEND else recvs.setdefault((op.peer, rank), [])
-            queue.append((unit, i))
+            self.holder[rank][op.message] = unit
+            if op.kind == SEND:
+                self.sends.setdefault((rank, op.peer), []).append((unit, i))
+            else:
+                self.recvs.setdefault((op.peer, rank), []).append((unit, i))
 
-    def running(unit: _Unit) -> bool:  # at the head of its stream: everything posted before it has finished
-        return streams[(unit.rank, unit.stream)][0] is unit
+    def running(self, unit: _Unit) -> bool:
+        """At the head of its stream: everything posted before it has finished."""
+        return self.streams[(unit.rank, unit.stream)][0] is unit
 
-    def move_hosts() -> bool:
+    def move_hosts(self) -> bool:
+        """Advance every rank through its program: posts go on, a wait holds the rank until its unit has finished."""
         moved = False
-        for rank, program in enumerate(programs):
-            while cursor[rank] < len(program):
-                item = program[cursor[rank]]
+        for rank, program in enumerate(self.programs):
+            while self.cursor[rank] < len(program):
+                item = program[self.cursor[rank]]
                 if isinstance(item, Post):
-                    post(rank, item)
+                    self.post(rank, item)
                 else:
-                    unit = holder[rank].get(item.message)
+                    unit = self.holder[rank].get(item.message)
                     if unit is None:
                         raise ValueError(f"rank {rank} waits on {item.message!r}, which it never posted")
                     if not unit.finished:
                         break
-                cursor[rank] += 1
+                self.cursor[rank] += 1
                 moved = True
         return moved
 
-    def move_streams() -> bool:
+    def move_streams(self) -> bool:
+        """Check each new pairing, complete those whose units both run, then start the units next in line."""
         moved = False
-        for pair, queue in sends.items():
-            other = recvs.get(pair, [])
-            for i in range(checked.get(pair, 0), min(len(queue), len(other))):  # compare each new pairing once
-                (s, si), (r, ri) = queue[i], other[i]
-                sent, want = s.ops[si], r.ops[ri]
-                if (sent.message, sent.shape) != (want.message, want.shape):
-                    outcome.mismatches.append(f"rank {pair[0]} -> rank {pair[1]}, pair {i}: sent {sent.message} "
-                                              f"{sent.shape}, the receive expected {want.message} {want.shape}")
-            checked[pair] = min(len(queue), len(other))
+        for pair, queue in self.sends.items():
+            other = self.recvs.get(pair, [])
+            self.check_pairings(pair, queue, other)
             # A pair of ranks moves its messages in order: the next pairing goes once both of its units run.
-            i = completed.get(pair, 0)
-            while i < checked[pair] and running(queue[i][0]) and running(other[i][0]):
+            i = self.completed.get(pair, 0)
+            while i < self.checked[pair] and self.running(queue[i][0]) and self.running(other[i][0]):
                 (s, si), (r, ri) = queue[i], other[i]
                 s.done[si] = r.done[ri] = True
                 i += 1
                 moved = True
-            outcome.pairs += i - completed.get(pair, 0)
-            completed[pair] = i
-        for queue in streams.values():  # finished units leave their stream; the next one starts
+            self.outcome.pairs += i - self.completed.get(pair, 0)
+            self.completed[pair] = i
+        for queue in self.streams.values():  # finished units leave their stream; the next one starts
             while queue and queue[0].finished:
                 queue.pop(0)
         return moved
 
-    while move_hosts() | move_streams():
-        pass
-    left = {key: queue for key, queue in streams.items() if queue}
-    for rank, program in enumerate(programs):
-        if cursor[rank] < len(program):
-            outcome.blocked[rank] = f"waits on {program[cursor[rank]].message!r}"
-    for (rank, stream), queue in left.items():
-        head = [op for op, done in zip(queue[0].ops, queue[0].done) if not done]
-        outcome.blocked.setdefault(rank, f"stream {stream} stuck on {head}")
-        outcome.stuck.setdefault(rank, []).extend(head)
-    outcome.deadlock = bool(outcome.blocked)
-    return outcome
+    def check_pairings(self, pair: tuple[int, int], queue: list[tuple[_Unit, int]],
+                       other: list[tuple[_Unit, int]]) -> None:
+        """Compare each new pairing of the i-th send with the i-th receive once: same message, same shape."""
+        for i in range(self.checked.get(pair, 0), min(len(queue), len(other))):
+            (s, si), (r, ri) = queue[i], other[i]
+            sent, want = s.ops[si], r.ops[ri]
+            if (sent.message, sent.shape) != (want.message, want.shape):
+                self.outcome.mismatches.append(f"rank {pair[0]} -> rank {pair[1]}, pair {i}: sent {sent.message} "
+                                               f"{sent.shape}, the receive expected {want.message} {want.shape}")
+        self.checked[pair] = min(len(queue), len(other))

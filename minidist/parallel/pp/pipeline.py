@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from minidist.comm.communicator import Comm, Ledger
+from minidist.comm.communicator import Comm
 from minidist.memory import PeakSavedBytes
 from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
@@ -182,6 +181,60 @@ class _SavedBytes:
         self.seen = dict(saved.storages)
 
 
+Key = tuple[int, int]  # (micro-batch, chunk)
+
+
+@dataclass
+class _StepState:
+    """What the action handlers of one step share: the step's inputs, the tensors in flight between the forward and
+    the backward of each (micro-batch, chunk), the messages, and the running sums."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    positions: list[torch.Tensor]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None
+    loss_scale: float | torch.Tensor
+    wire: InFlight
+    local: bool  # pp=1: every message goes between chunks of this rank, through `mailbox`
+    last_backward: Action | None  # the backward that runs outside `no_sync`
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    stats: StepStats = field(default_factory=lambda: StepStats(loss=0.0))
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # received hidden states, requires_grad
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # chunk outputs (the loss sum on the last chunk)
+    aux: dict[Key, torch.Tensor] = field(default_factory=dict)  # MoE balancing losses awaiting their backward
+    out_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received gradients of chunk outputs
+    in_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradients of chunk inputs, to send back
+    held: dict[Key, int] = field(default_factory=dict)  # saved-for-backward bytes per forward not yet backwarded
+    mailbox: dict[Message, torch.Tensor] = field(default_factory=dict)  # messages between chunks of this rank
+    live: int = 0  # the sum of `held`
+
+    def outgoing(self, message: Message) -> torch.Tensor:
+        """The tensor a message carries: a chunk's output forward, the gradient of a chunk's input backward."""
+        if message.direction == F:
+            return self.outputs[(message.mb, message.chunk - 1)].detach()
+        return self.in_grads.pop((message.mb, message.chunk + 1))
+
+    def incoming(self, a: Action) -> torch.Tensor:
+        """The message a RECV action takes, waited for already."""
+        return self.mailbox.pop(message_of(a)) if self.local else self.wire.take(message_of(a))
+
+    def hold(self, key: Key, nbytes: int) -> None:
+        """Count a forward's saved bytes until its backward releases them."""
+        self.held[key] = nbytes
+        self.live += nbytes
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self.live)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.held))
+
+
+def _due_by_action(program: list[Planned], n_actions: int) -> list[list[Post | Wait]]:
+    """The program's items by the index of the action they come before (n_actions: after the last)."""
+    due: list[list[Post | Wait]] = [[] for _ in range(n_actions + 1)]
+    for planned in program:
+        due[planned.at].append(planned.item)
+    return due
+
+
 class PipelineRunner:
     """Runs one pipeline rank's action list for a step of `microbatches` micro-batches.
 
@@ -191,7 +244,7 @@ class PipelineRunner:
     them over data-parallel replicas, clips (`layout.clip_grad_norm_` over the tp and pp groups: each parameter's
     placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
     rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
-    the message can travel while the rank computes.
+    the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).
     """
 
     def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
@@ -252,135 +305,91 @@ class PipelineRunner:
              autocast: Callable[[], contextlib.AbstractContextManager],
              no_sync: Callable[[], contextlib.AbstractContextManager] | None,
              loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
-        stage, p, last = self.stage, self.pp, self.stage.n_chunks - 1
+        """Run `actions`, each after the program's posts and waits due before it, then wait for the last sends."""
         device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
-        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received hidden states, requires_grad
-        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (the loss sum on the last chunk)
-        aux: dict[tuple[int, int], torch.Tensor] = {}
-        out_grads: dict[tuple[int, int], torch.Tensor] = {}
-        in_grads: dict[tuple[int, int], torch.Tensor] = {}
-        held: dict[tuple[int, int], int] = {}  # saved-for-backward bytes per forward not yet backwarded
-        mailbox: dict[Message, torch.Tensor] = {}  # messages between chunks of this rank (pp=1)
-        wire = InFlight(self.comm, self.activation_dtype, device)
-        due: list[list[Post | Wait]] = [[] for _ in range(len(actions) + 1)]  # the program, by action index
-        for planned in program:
-            due[planned.at].append(planned.item)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        aux_sum = torch.zeros((), dtype=torch.float32, device=device)
-        stats = StepStats(loss=0.0)
-        live = 0
         if positions is None:
             positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
-
-        def outgoing(message: Message) -> torch.Tensor:
-            """The tensor a message carries: a chunk's output forward, the gradient of a chunk's input backward."""
-            if message.direction == F:
-                return outputs[(message.mb, message.chunk - 1)].detach()
-            return in_grads.pop((message.mb, message.chunk + 1))
-
-        def shape(message: Message) -> tuple[int, ...]:
-            return self.activation_shape(batches[message.mb][0])
-
-        def incoming(a: Action) -> torch.Tensor:
-            return mailbox.pop(message_of(a)) if p == 1 else wire.take(message_of(a))
-
-        last_backward = max((i for i, a in enumerate(actions) if a.kind == B), default=-1)
+        s = _StepState(batches, positions, autocast, no_sync, loss_scale,
+                       wire=InFlight(self.comm, self.activation_dtype, device), local=self.pp == 1,
+                       last_backward=next((a for a in reversed(actions) if a.kind == B), None),
+                       loss_sum=torch.zeros((), dtype=torch.float32, device=device),
+                       aux_sum=torch.zeros((), dtype=torch.float32, device=device))
+        due = _due_by_action(program, len(actions))
         for index, a in enumerate(actions):
+            handler = self._HANDLERS.get(a.kind)
+            if handler is None:
+                raise ValueError(f"the pipeline executor has no handler for {a.kind} actions ({a})")
             for item in due[index]:  # this gap's batches: posting them is not the action's time
                 if isinstance(item, Post):
-                    wire.post(item, outgoing, shape)
+                    s.wire.post(item, s.outgoing, lambda message: self.activation_shape(batches[message.mb][0]))
             start = time.perf_counter()
             for item in due[index]:  # a RECV action waits for its message (the program puts posts first)
                 if isinstance(item, Wait):
-                    wire.wait(item.message)
-            key = (a.mb, a.chunk)
-            tokens, targets = batches[a.mb]
-            if a.kind == RECV_F:
-                inputs[key] = incoming(a).requires_grad_(torch.is_grad_enabled())
-            elif a.kind == F:
-                x = tokens if a.chunk == 0 else inputs[key]
-                with autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
-                    out = stage.forward_chunk(a.chunk, x, positions[a.mb])
-                    if a.chunk == last:
-                        out = stage.loss_fn(out, targets)
-                    chunk_aux = stage.aux_loss(stage.layers[a.chunk]) if self.with_aux else None
-                outputs[key] = out
-                if chunk_aux is not None:
-                    aux_sum += chunk_aux.detach().float()
-                    if chunk_aux.requires_grad:  # a chunk of dense layers (or evaluate) has nothing to backward
-                        aux[key] = chunk_aux.float()
-                if a.chunk == last:
-                    loss_sum += out.detach().float()
-                held[key] = sum(self.saved.seen.values()) if self.saved else 0
-                live += held[key]
-                stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
-                stats.peak_in_flight = max(stats.peak_in_flight, len(held))
-            elif a.kind == RECV_B:
-                out_grads[key] = incoming(a)
-            elif a.kind == B:
-                out = outputs.pop(key)
-                tensors = [out * loss_scale] if a.chunk == last else [out]
-                grads = [None] if a.chunk == last else [out_grads.pop(key)]
-                if key in aux:
-                    tensors.append(aux.pop(key) / len(batches))
-                    grads.append(None)
-                with no_sync() if no_sync is not None and index != last_backward else contextlib.nullcontext():
-                    torch.autograd.backward(tensors, grads)
-                if a.chunk > 0:
-                    in_grads[key] = inputs.pop(key).grad
-                live -= held.pop(key)
-            elif a.kind in (SEND_F, SEND_B) and p == 1:  # the next chunk is on this rank: hand it over
-                mailbox[message_of(a)] = outgoing(message_of(a)).clone()
-            stats.events.append(Event(stage.pp_rank, a, start, time.perf_counter()))
+                    s.wire.wait(item.message)
+            handler(self, s, a)
+            s.stats.events.append(Event(self.stage.pp_rank, a, start, time.perf_counter()))
         for item in due[len(actions)]:  # the sends still in flight
-            wire.wait(item.message)
-        # One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses.
-        totals = torch.stack([loss_sum, aux_sum / len(batches)])
-        if p > 1:
+            s.wire.wait(item.message)
+        return self._totals(s)
+
+    def _totals(self, s: _StepState) -> StepStats:
+        """One small all-reduce gives every rank the loss (only the last stage has it) and the summed aux losses."""
+        totals = torch.stack([s.loss_sum, s.aux_sum / len(s.batches)])
+        if self.pp > 1:
             self.comm.all_reduce(totals)
-        stats.loss, stats.aux_loss = totals[0].item(), totals[1].item()
-        return stats
+        s.stats.loss, s.stats.aux_loss = totals[0].item(), totals[1].item()
+        return s.stats
 
+    # -- the action handlers: one per action kind ------------------------------------------------------------------
 
-# ---------------------------------------------------------------------------------------------------------------
-# Measuring schedules (notebook 09, benchmarks)
-# ---------------------------------------------------------------------------------------------------------------
+    def _forward(self, s: _StepState, a: Action) -> None:
+        """F: run the chunk (and the loss on the last chunk); keep its output and MoE losses for the backward."""
+        stage, key, is_last = self.stage, (a.mb, a.chunk), a.chunk == self.stage.n_chunks - 1
+        tokens, targets = s.batches[a.mb]
+        x = tokens if a.chunk == 0 else s.inputs[key]
+        with s.autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
+            out = stage.forward_chunk(a.chunk, x, s.positions[a.mb])
+            if is_last:
+                out = stage.loss_fn(out, targets)
+            chunk_aux = stage.aux_loss(stage.layers[a.chunk]) if self.with_aux else None
+        s.outputs[key] = out
+        if chunk_aux is not None:
+            s.aux_sum += chunk_aux.detach().float()
+            if chunk_aux.requires_grad:  # a chunk of dense layers (or evaluate) has nothing to backward
+                s.aux[key] = chunk_aux.float()
+        if is_last:
+            s.loss_sum += out.detach().float()
+        s.hold(key, sum(self.saved.seen.values()) if self.saved else 0)
 
+    def _backward(self, s: _StepState, a: Action) -> None:
+        """B: backpropagate the chunk's output (the scaled loss on the last chunk) and keep its input's gradient."""
+        key, is_last = (a.mb, a.chunk), a.chunk == self.stage.n_chunks - 1
+        out = s.outputs.pop(key)
+        tensors = [out * s.loss_scale] if is_last else [out]
+        grads = [None] if is_last else [s.out_grads.pop(key)]
+        if key in s.aux:
+            tensors.append(s.aux.pop(key) / len(s.batches))
+            grads.append(None)
+        with s.no_sync() if s.no_sync is not None and a != s.last_backward else contextlib.nullcontext():
+            torch.autograd.backward(tensors, grads)
+        if a.chunk > 0:
+            s.in_grads[key] = s.inputs.pop(key).grad
+        s.live -= s.held.pop(key)
 
-def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], batch_size: int, seq_len: int,
-                     steps: int = 2, seed: int = 0, measure_memory: bool = True) -> list[dict]:
-    """Rank function for `run_ranks(profile_pipeline, pp, ...)`: run schedules on random tokens, no optimizer.
+    def _receive_forward(self, s: _StepState, a: Action) -> None:
+        """RECV_F: the chunk's input, a leaf that collects its gradient when grad is on."""
+        s.inputs[(a.mb, a.chunk)] = s.incoming(a).requires_grad_(torch.is_grad_enabled())
 
-    For each (schedule, microbatches, virtual_stages) in `runs`: partition a model built from (cfg, seed), run
-    `steps` steps (all ranks start each step after a barrier) and return a dict with `events`, one list per step
-    (time.perf_counter(), one clock for all processes of a machine), the last step's `loss` (mean over tokens),
-    `peak_activation_bytes`, `peak_in_flight`, `send_bytes` (point to point, from the ledger) and the first step's
-    gradients by name (`grads`).
-    """
-    from minidist.comm.topology import ParallelDims, Topology
-    from minidist.model.transformer import build_model
+    def _receive_backward(self, s: _StepState, a: Action) -> None:
+        """RECV_B: the gradient of the chunk's output."""
+        s.out_grads[(a.mb, a.chunk)] = s.incoming(a)
 
-    topo = Topology(ParallelDims(pp=dist.get_world_size()), dist.get_rank(), dist.get_world_size())
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
-    targets = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
-    results = []
-    for schedule, m, v in runs:
-        stage = partition_model(build_model(cfg, seed), topo.coord("pp"), topo.size("pp"), v)
-        ledger = Ledger()
-        runner = PipelineRunner(stage, topo.comm("pp", ledger), schedule, m, v, measure_memory=measure_memory)
-        batches = list(zip(inputs.chunk(m), targets.chunk(m)))
-        events = []
-        for step in range(steps):
-            stage.zero_grad(set_to_none=True)
-            ledger.reset()
-            dist.barrier()
-            stats = runner.step(batches, loss_scale=1.0 / targets.numel())  # no ignored targets
-            events.append(stats.events)
-            if step == 0:
-                grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters()}
-        results.append({"schedule": schedule, "microbatches": m, "virtual_stages": v, "events": events,
-                        "loss": stats.loss / targets.numel(), "peak_activation_bytes": stats.peak_activation_bytes,
-                        "peak_in_flight": stats.peak_in_flight, "grads": grads,
-                        "send_bytes": ledger.bytes("send", "pp")})
-    return results
+    def _send(self, s: _StepState, a: Action) -> None:
+        """SEND_F / SEND_B: the program posts sends to other ranks; a message to this rank's next chunk (pp=1) is
+        handed over here."""
+        if s.local:
+            s.mailbox[message_of(a)] = s.outgoing(message_of(a)).clone()
+
+    _HANDLERS: dict[str, Callable[[PipelineRunner, _StepState, Action], None]] = {
+        F: _forward, B: _backward, RECV_F: _receive_forward, RECV_B: _receive_backward, SEND_F: _send, SEND_B: _send,
+    }

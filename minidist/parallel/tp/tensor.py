@@ -12,6 +12,8 @@ forward and one backward. Megatron calls the two conjugate operators around such
 With sequence parallelism, the activations outside the regions (norms, residual adds) are split along the
 sequence instead of replicated, and f/g become all-gather / reduce-scatter along the sequence, in both directions:
 the same bytes (all-reduce = reduce-scatter + all-gather), and p times less activation memory outside the regions.
+The operators are in `minidist.parallel.tp.operators` (f, g) and `minidist.parallel.tp.sequence`, the sharded linears
+in `minidist.parallel.tp.linear`, the expected traffic in `minidist.parallel.tp.traffic`.
 
 `apply_tensor_parallel(model, cfg, tp_comm)` swaps modules by a plan (`tensor_parallel_plan`, plain data) and keeps
 every parameter name, so init values, checkpoints and parity compare by name; each shard is a slice of the full
@@ -26,207 +28,37 @@ sequence parallelism the layer runs on the gathered sequence (capacity and balan
 output slice, and all-gathers the output's gradient: every rank computes the same gradients again.
 
 Every parameter records its slice of the full tensor (`param.placement`: a `layout.Placement` with a "tp" `Split`);
-the gradient norm and full tensors read it. The vocabulary split is in `minidist.parallel.tp.vocab`.
+the gradient norm and full tensors read it. The vocabulary split is in `minidist.parallel.tp.vocab`. This module
+holds the plan and applies it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from minidist.comm.communicator import Comm, ring_bytes_sent
+from minidist.comm.communicator import Comm
 from minidist.model.attention import GroupedQueryAttention
 from minidist.model.config import ModelConfig
 from minidist.model.layers import GeluMLP, SwiGLU
 from minidist.model.mla import MultiHeadLatentAttention
-from minidist.model.moe import MoELayer
-from minidist.parallel.placement import Split, narrow, placement_of, set_split
-from minidist.parallel.tp.vocab import VocabParallelEmbedding, vocab_parallel_lm_loss, vocab_range
+from minidist.model.moe.layer import MoELayer
+from minidist.parallel.placement import Split, placement_of, set_split
+from minidist.parallel.tp.linear import ColumnParallelLinear, RowParallelLinear, shard_parameter
+from minidist.parallel.tp.operators import copy_to_tp, reduce_from_tp, sum_grad_over_replicas, sum_grad_over_tp
+from minidist.parallel.tp.sequence import (
+    gather_sequence,
+    gather_whole_sequence,
+    reduce_scatter_sequence,
+    slice_sequence,
+)
+from minidist.parallel.tp.vocab import VocabParallelEmbedding, vocab_range
 
-__all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "apply_tensor_parallel", "copy_to_tp", "expected_tp_traffic",
-    "gather_sequence", "reduce_from_tp", "reduce_scatter_sequence", "tensor_parallel_plan", "validate_tensor_parallel",
-    "vocab_parallel_lm_loss",
-]
-
-# ---------------------------------------------------------------------------------------------------------------
-# The conjugate operators. reduce_dtype (e.g. torch.float32) sums bf16 partial sums in a wider type: upcast,
-# reduce, downcast; twice the bytes, but the error no longer grows with the number of ranks (notebook 08).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _all_reduce(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None) -> torch.Tensor:
-    y = x.to(reduce_dtype or x.dtype, memory_format=torch.contiguous_format, copy=True)
-    comm.all_reduce(y)
-    return y.to(x.dtype)
-
-
-# Comm gathers and scatters along dim 0; the sequence is dim 1 of [batch, seq, ...]. The results are made contiguous
-# again: a transposed view would make each linear that reads it save its own contiguous copy for the backward pass.
-def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return comm.all_gather(x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
-
-
-def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None) -> torch.Tensor:
-    y = x.transpose(0, 1).to(reduce_dtype or x.dtype, memory_format=torch.contiguous_format)
-    return comm.reduce_scatter(y).transpose(0, 1).to(x.dtype, memory_format=torch.contiguous_format)
-
-
-class _CopyToTP(torch.autograd.Function):  # f
-    @staticmethod
-    def forward(ctx, x, comm, reduce_dtype):
-        ctx.comm, ctx.reduce_dtype = comm, reduce_dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm, ctx.reduce_dtype), None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):  # g
-    @staticmethod
-    def forward(ctx, x, comm, reduce_dtype):
-        return _all_reduce(x, comm, reduce_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherSequence(torch.autograd.Function):  # Korthikanti's g: all-gather forward, reduce-scatter backward
-    @staticmethod
-    def forward(ctx, x, comm, reduce_dtype):
-        ctx.comm, ctx.reduce_dtype = comm, reduce_dtype
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.comm, ctx.reduce_dtype), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):  # Korthikanti's ḡ: reduce-scatter forward, all-gather back
-    @staticmethod
-    def forward(ctx, x, comm, reduce_dtype):
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm, reduce_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None, None
-
-
-def _slice_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return x.narrow(1, comm.rank * (x.shape[1] // comm.size), x.shape[1] // comm.size).contiguous()
-
-
-class _GatherWholeSequence(torch.autograd.Function):  # all-gather; backward: my slice of a gradient all ranks hold
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice_seq(grad, ctx.comm), None
-
-
-class _SliceSequence(torch.autograd.Function):  # the converse: my slice of a tensor all ranks hold; all-gather back
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _slice_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
-
-
-def copy_to_tp(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """f: identity forward; all-reduce of the gradient over tp backward."""
-    return _CopyToTP.apply(x, comm, reduce_dtype)
-
-
-def reduce_from_tp(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """g: all-reduce over tp forward (optionally in reduce_dtype); identity backward."""
-    return _ReduceFromTP.apply(x, comm, reduce_dtype)
-
-
-def gather_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[B, T/p, ...] -> [B, T, ...]: all-gather along the sequence forward; reduce-scatter of the gradient back."""
-    return _GatherSequence.apply(x, comm, reduce_dtype)
-
-
-def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[B, T, ...] partial sums -> [B, T/p, ...] summed: reduce-scatter forward; all-gather of the gradient back."""
-    return _ReduceScatterSequence.apply(x, comm, reduce_dtype)
-
-
-def _shard(param: nn.Parameter | None, split: Split) -> nn.Parameter | None:
-    """A new Parameter holding this rank's slice (a copy: the full tensor can be freed), with its placement."""
-    if param is None:
-        return None
-    shard = nn.Parameter(narrow(param.detach(), split).clone(), requires_grad=param.requires_grad)
-    set_split(shard, "tp", split, param.shape)
-    return shard
-
-
-def _sum_grad_over_tp(param: nn.Parameter, comm: Comm) -> None:
-    """The gradient of a replicated parameter that each rank used on different data is the sum over the ranks."""
-    param.register_hook(lambda grad: _all_reduce(grad, comm, None))
-
-
-def _sum_grad_over_replicas(param: nn.Parameter, comm: Comm) -> None:
-    """Sum the gradient over the tp ranks holding the same slice (replicated kv heads), with one all-reduce over
-    the whole tp group: each rank writes its gradient into its slot of a full-size buffer, zeros elsewhere."""
-    split = placement_of(param).splits["tp"]
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        buffer = grad.new_zeros((split.parts, *grad.shape))
-        buffer[split.index] = grad
-        comm.all_reduce(buffer)
-        return buffer[split.index]
-
-    param.register_hook(hook)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Sharded linears
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class ColumnParallelLinear(nn.Linear):
-    """A slice of a linear's output features (weight and bias split by rows). No communication of its own: the
-    input reaches it through the region's entry (f, or an all-gather along the sequence)."""
-
-    def __init__(self, full: nn.Linear, split: Split) -> None:
-        nn.Module.__init__(self)  # skip nn.Linear's allocation; the parameters are slices of `full`
-        self.weight = _shard(full.weight, split)
-        self.bias = _shard(full.bias, split)
-        self.out_features, self.in_features = self.weight.shape
-
-
-class RowParallelLinear(nn.Linear):
-    """A slice of a linear's input features: partial sums, reduced by g (or a reduce-scatter along the sequence);
-    the bias (replicated) is added once, after the reduction."""
-
-    def __init__(self, full: nn.Linear, rank: int, size: int, comm: Comm, sequence_parallel: bool,
-                 reduce_dtype: torch.dtype | None) -> None:
-        nn.Module.__init__(self)
-        self.weight = _shard(full.weight, Split(dim=1, index=rank, parts=size, replicas=1))
-        self.bias = _shard(full.bias, Split(dim=None, index=0, parts=1, replicas=size))
-        self.out_features, self.in_features = self.weight.shape
-        self.comm, self.sequence_parallel, self.reduce_dtype = comm, sequence_parallel, reduce_dtype
-        if self.bias is not None and sequence_parallel:
-            _sum_grad_over_tp(self.bias, comm)  # added on a sequence shard only
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial_sums = F.linear(x, self.weight)
-        reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
-        y = reduce(partial_sums, self.comm, self.reduce_dtype)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+__all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "validate_tensor_parallel"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,122 +161,112 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
     device (the gradient hooks live on the parameter objects). `reduce_dtype=torch.float32` sums bf16 partial sums
     in fp32.
     """
-    tp, rank = tp_comm.size, tp_comm.rank
+    tp = tp_comm.size
     validate_tensor_parallel(cfg, tp)
     if tp == 1:
         return model
-    kv_split = (Split(0, rank, tp, 1) if cfg.n_kv_heads % tp == 0
-                else Split(0, rank // (tp // cfg.n_kv_heads), cfg.n_kv_heads, tp // cfg.n_kv_heads))
-    split = Split(0, rank, tp, 1)
-    if sequence_parallel:
-        enter, exit_ = gather_sequence, reduce_scatter_sequence
-    else:
-        enter, exit_ = copy_to_tp, reduce_from_tp
-    tied = model.lm_head.weight is model.tok_emb.weight
-
-    def enter_hook(module, args):
-        return (enter(args[0], tp_comm, reduce_dtype), *args[1:])
-
+    sharding = _Sharding.of(model, cfg, tp_comm, sequence_parallel, reduce_dtype)
     for name, style in tensor_parallel_plan(model, sequence_parallel).items():
-        module = model.get_submodule(name)
-        if style == "vocab_embedding":
-            start, _ = vocab_range(cfg.vocab_size, rank, tp)
-            new = VocabParallelEmbedding(_shard(module.weight, split), start,
-                                         partial(exit_, comm=tp_comm, reduce_dtype=reduce_dtype))
-            model.set_submodule(name, new)
-        elif style in ("colwise", "colwise_kv"):
-            new = ColumnParallelLinear(module, kv_split if style == "colwise_kv" else split)
-            if kv_split.replicas > 1 and style == "colwise_kv":
-                for param in new.parameters():
-                    _sum_grad_over_replicas(param, tp_comm)
-            model.set_submodule(name, new)
-        elif style == "rowwise":
-            model.set_submodule(name, RowParallelLinear(module, rank, tp, tp_comm, sequence_parallel, reduce_dtype))
-        elif style == "vocab_head":
-            new = ColumnParallelLinear(module, split)
-            if tied:
-                new.weight = model.tok_emb.weight  # the same vocabulary rows: the tie survives sharding
-            new.register_forward_pre_hook(enter_hook)
-            model.set_submodule(name, new)
-        elif style == "region":
-            module.register_forward_pre_hook(enter_hook)
-        elif style in ("sequence_norm", "shared_in_region"):
-            for param in module.parameters():
-                _sum_grad_over_tp(param, tp_comm)
-        elif style == "moe_sequence":
-            module.register_forward_pre_hook(lambda m, args: (_GatherWholeSequence.apply(args[0], tp_comm),))
-            module.register_forward_hook(lambda m, args, out: _SliceSequence.apply(out, tp_comm))
-        elif style == "sequence_slice":
-            _sum_grad_over_tp(module.weight, tp_comm)
-            module.register_forward_hook(lambda m, args, out: out.narrow(-2, rank * (out.shape[-2] // tp),
-                                                                         out.shape[-2] // tp))
+        _STYLES[style](sharding, model, name)
     for param in model.parameters():
         if "tp" not in placement_of(param).splits:  # replicated: identical value and gradient on every tp rank
             set_split(param, "tp", Split(None, 0, 1, tp), param.shape)
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Communication of one forward + backward, from the formulas (notebook 08 derives them)
-# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Sharding:
+    """What every style of the plan needs to shard its module on this rank."""
+
+    comm: Comm
+    rank: int
+    tp: int
+    sequence_parallel: bool
+    reduce_dtype: torch.dtype | None
+    split: Split  # a slice by rows, one per rank
+    kv_split: Split  # key/value heads: split, or replicated over tp // n_kv_heads ranks
+    exit: Callable[..., torch.Tensor]  # g, or a reduce-scatter along the sequence
+    enter_hook: Callable  # a forward pre-hook: the module's input enters the region (f, or an all-gather)
+    vocab_size: int
+    tied: bool  # the lm_head's weight is the embedding's
+
+    @classmethod
+    def of(cls, model: nn.Module, cfg: ModelConfig, comm: Comm, sequence_parallel: bool,
+           reduce_dtype: torch.dtype | None) -> _Sharding:
+        tp, rank = comm.size, comm.rank
+        kv_split = (Split(0, rank, tp, 1) if cfg.n_kv_heads % tp == 0
+                    else Split(0, rank // (tp // cfg.n_kv_heads), cfg.n_kv_heads, tp // cfg.n_kv_heads))
+        enter, exit_ = (gather_sequence, reduce_scatter_sequence) if sequence_parallel else (copy_to_tp, reduce_from_tp)
+
+        def enter_hook(module, args):
+            return (enter(args[0], comm, reduce_dtype), *args[1:])
+
+        return cls(comm, rank, tp, sequence_parallel, reduce_dtype, Split(0, rank, tp, 1), kv_split, exit_,
+                   enter_hook, cfg.vocab_size, model.lm_head.weight is model.tok_emb.weight)
 
 
-def expected_tp_traffic(cfg: ModelConfig, batch: int, seq_len: int, tp: int, sequence_parallel: bool = False,
-                        compute_bytes: int = 4, reduce_bytes: int | None = None,
-                        rank: int = 0) -> dict[tuple[str, str], dict[str, int]]:
-    """{(op, "tp"): {"calls", "bytes"}} one tp rank records for one forward + backward + vocab-parallel loss.
+# -- one function per style of `tensor_parallel_plan` ------------------------------------------------------------
 
-    Per block, the two regions (attention, MLP) each cost one entry and one exit, in both directions; the
-    embedding's exit, the lm_head's entry and the loss's two small all-reduces come once. Element sizes: the
-    row-parallel partial sums are in the compute dtype (`compute_bytes`: 2 under bf16 autocast) and are summed in
-    `reduce_bytes` (default: the same; 4 with reduce_dtype=float32); everything else (the residual stream that
-    enters a region and its gradient, the embedding, the loss statistics, parameter gradients) is fp32, because
-    parameters are fp32 and autocast lowers only the matmuls.
-    """
-    counts: dict[tuple[str, str], dict[str, int]] = {}
 
-    def add(op: str, shape: tuple[int, ...], element_size: int, calls: int = 1) -> None:
-        entry = counts.setdefault((op, "tp"), {"calls": 0, "bytes": 0})
-        entry["calls"] += calls
-        entry["bytes"] += calls * ring_bytes_sent(op, shape, element_size, tp, rank)
+def _vocab_embedding(s: _Sharding, model: nn.Module, name: str) -> None:
+    start, _ = vocab_range(s.vocab_size, s.rank, s.tp)
+    module = model.get_submodule(name)
+    model.set_submodule(name, VocabParallelEmbedding(shard_parameter(module.weight, s.split), start,
+                                                     partial(s.exit, comm=s.comm, reduce_dtype=s.reduce_dtype)))
 
-    reduce_bytes = reduce_bytes or compute_bytes
-    act = (seq_len, batch, cfg.d_model)
-    n_tokens = batch * seq_len
-    L = cfg.n_layers
-    moe = L - cfg.moe.first_dense_layers if cfg.moe.n_experts else 0  # MoE blocks: whole, no MLP region
-    exits, entries = 2 * L - moe, 2 * L + 1 - moe  # entries: attention, dense MLP, and the lm_head
-    if sequence_parallel:
-        add("reduce_scatter", act, reduce_bytes, exits)  # exit, forward
-        add("all_gather", act, compute_bytes, exits)  # exit, backward
-        add("all_gather", act, 4, entries)  # entry, forward
-        add("reduce_scatter", act, 4, entries)  # entry, backward
-        add("reduce_scatter", act, 4)  # embedding, forward
-        add("all_gather", act, 4)  # embedding, backward
-        add("all_gather", act, 4, 2 * moe)  # an MoE layer's input forward, its output's gradient backward
-    else:
-        add("all_reduce", act, reduce_bytes, exits)  # g, forward
-        add("all_reduce", act, 4, entries)  # f, backward
-        add("all_reduce", act, 4)  # embedding's g, forward
-    add("all_reduce", (n_tokens,), 4)  # loss: max of the logits
-    add("all_reduce", (2, n_tokens), 4)  # loss: sum of exponentials and the target logit, together
-    if cfg.attention == "gqa" and cfg.n_kv_heads % tp and tp > 1:  # replicated kv heads: wk, wv (biases) summed
-        kv_rows = cfg.n_kv_heads * cfg.head_dim
-        add("all_reduce", (kv_rows, cfg.d_model), 4, 2 * L)
-        if cfg.bias:
-            add("all_reduce", (kv_rows,), 4, 2 * L)
-    if cfg.attention == "mla" and tp > 1:  # the latent path's weights, used by this rank's heads only
-        m = cfg.mla
-        add("all_reduce", (m.kv_lora_rank + m.qk_rope_head_dim, cfg.d_model), 4, L)  # wkv_a
-        add("all_reduce", (m.kv_lora_rank,), 4, L)  # kv_norm
-        if m.q_lora_rank is not None:
-            add("all_reduce", (m.q_lora_rank, cfg.d_model), 4, L)  # wq_a
-            add("all_reduce", (m.q_lora_rank,), 4, L)  # q_norm
-    if sequence_parallel:  # norm gains (and biases), row-parallel biases, positions: seen on a sequence shard
-        norm_params = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
-        add("all_reduce", (cfg.d_model,), 4, (2 * L + 1) * norm_params)
-        if cfg.bias:
-            add("all_reduce", (cfg.d_model,), 4, 2 * L - moe)
-        if cfg.position == "learned":
-            add("all_reduce", (cfg.max_seq_len, cfg.d_model), 4)
-    return dict(sorted(counts.items()))
+
+def _colwise(s: _Sharding, model: nn.Module, name: str) -> None:
+    model.set_submodule(name, ColumnParallelLinear(model.get_submodule(name), s.split))
+
+
+def _colwise_kv(s: _Sharding, model: nn.Module, name: str) -> None:
+    new = ColumnParallelLinear(model.get_submodule(name), s.kv_split)
+    if s.kv_split.replicas > 1:
+        for param in new.parameters():
+            sum_grad_over_replicas(param, s.comm)
+    model.set_submodule(name, new)
+
+
+def _rowwise(s: _Sharding, model: nn.Module, name: str) -> None:
+    model.set_submodule(name, RowParallelLinear(model.get_submodule(name), s.rank, s.tp, s.comm,
+                                                s.sequence_parallel, s.reduce_dtype))
+
+
+def _vocab_head(s: _Sharding, model: nn.Module, name: str) -> None:
+    new = ColumnParallelLinear(model.get_submodule(name), s.split)
+    if s.tied:
+        new.weight = model.tok_emb.weight  # the same vocabulary rows: the tie survives sharding
+    new.register_forward_pre_hook(s.enter_hook)
+    model.set_submodule(name, new)
+
+
+def _region(s: _Sharding, model: nn.Module, name: str) -> None:
+    model.get_submodule(name).register_forward_pre_hook(s.enter_hook)
+
+
+def _summed_grads(s: _Sharding, model: nn.Module, name: str) -> None:  # sequence_norm, shared_in_region
+    for param in model.get_submodule(name).parameters():
+        sum_grad_over_tp(param, s.comm)
+
+
+def _moe(s: _Sharding, model: nn.Module, name: str) -> None:
+    """Whole on every tp rank, no communication (the module docstring says why)."""
+
+
+def _moe_sequence(s: _Sharding, model: nn.Module, name: str) -> None:
+    module, comm = model.get_submodule(name), s.comm
+    module.register_forward_pre_hook(lambda m, args: (gather_whole_sequence(args[0], comm),))
+    module.register_forward_hook(lambda m, args, out: slice_sequence(out, comm))
+
+
+def _sequence_slice(s: _Sharding, model: nn.Module, name: str) -> None:
+    module, rank, tp = model.get_submodule(name), s.rank, s.tp
+    sum_grad_over_tp(module.weight, s.comm)
+    module.register_forward_hook(lambda m, args, out: out.narrow(-2, rank * (out.shape[-2] // tp), out.shape[-2] // tp))
+
+
+_STYLES: dict[str, Callable[[_Sharding, nn.Module, str], None]] = {
+    "vocab_embedding": _vocab_embedding, "colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
+    "vocab_head": _vocab_head, "region": _region, "sequence_norm": _summed_grads, "shared_in_region": _summed_grads,
+    "moe": _moe, "moe_sequence": _moe_sequence, "sequence_slice": _sequence_slice,
+}

@@ -1,0 +1,119 @@
+"""MoE capacity and sorted dispatch, and the experts that run the dispatched tokens (chapter 06)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
+    """⌈capacity_factor · tokens · k / experts⌉ token-slots per expert; None (dropless) when the factor is None.
+    The layer passes the tokens of one sequence: the capacity is per expert and per sequence.
+
+    The factor goes through a Fraction, so 1.1 · 100 / 10 is 11, not ⌈11.000000000000002⌉ = 12.
+    """
+    if capacity_factor is None:
+        return None
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
+    exact = Fraction(capacity_factor).limit_denominator(10**6) * num_tokens * top_k / num_experts
+    return math.ceil(exact)
+
+
+@dataclass
+class DispatchPlan:
+    token: torch.Tensor  # [S] token index of each kept slot, grouped by expert
+    gate: torch.Tensor  # [S] gate of each kept slot (differentiable)
+    counts: torch.Tensor  # [N] kept slots per expert: the lengths of the contiguous groups
+    routed: torch.Tensor  # [N] slots routed to each expert before dropping
+    slot: torch.Tensor  # [S] slot id r·T + t (choice rank r, token t) of each kept slot
+
+    @property
+    def dropped(self) -> int:
+        return int(self.routed.sum() - self.counts.sum())
+
+
+def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None = None,
+                  seq_len: int | None = None) -> DispatchPlan:
+    """Group the T·k token-slots by expert with one stable argsort, dropping each expert's overflow per sequence.
+
+    `indices` [tokens, k] are sequences of `seq_len` consecutive tokens (default: one sequence). Slots are numbered
+    r·tokens + t, and sorted stably by (expert, sequence): each expert's slots form one contiguous group, and inside
+    it each sequence's slots stay in priority order (choice rank, then position), so "over capacity" is simply
+    "position in the (expert, sequence) run >= capacity".
+
+    Context parallelism (chunks of each sequence per rank) needs one exchange: all-gather every chunk's slot counts
+    per (choice rank, expert); start each local run after the higher-priority slots held by the other cp ranks.
+    """
+    num_tokens, k = indices.shape
+    seq_len = seq_len or num_tokens
+    sequences = num_tokens // seq_len
+    expert_of_slot = indices.t().reshape(-1)
+    slots = torch.arange(expert_of_slot.numel(), device=indices.device)
+    run = expert_of_slot * sequences + (slots % num_tokens) // seq_len  # (expert, sequence), expert major
+    order = torch.argsort(run, stable=True)
+    routed = torch.bincount(expert_of_slot, minlength=num_experts)
+    counts = routed
+    if capacity is not None:
+        sizes = torch.bincount(run, minlength=num_experts * sequences)
+        position = slots - (sizes.cumsum(0) - sizes)[run[order]]
+        order = order[position < capacity]
+        counts = sizes.clamp(max=capacity).view(num_experts, sequences).sum(dim=1)
+    token = order % num_tokens
+    gate = weights.t().reshape(-1)[order]
+    return DispatchPlan(token, gate, counts, routed, order)
+
+
+def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm (private, torch >= 2.8) takes these operands: on CPU it needs fp32 and rows whose
+    byte strides are multiples of 16 (checked on torch 2.13.0); on CUDA, bf16 on recent GPUs."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
+        return x.dtype == torch.float32 and aligned
+    return x.dtype == torch.bfloat16
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on rows x [n, d_model]: (silu(x w1) ⊙ x w3) w2."""
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+class Experts(nn.Module):
+    """N SwiGLU experts stored as batched weights: w1, w3 [N, d_model, d_expert] and w2 [N, d_expert, d_model].
+
+    backend: "loop" runs one matmul per expert on its contiguous slice; "grouped_mm" runs torch._grouped_mm with
+    the group offsets; "auto" takes grouped_mm when `grouped_mm_works`, else the loop.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in ("auto", "loop", "grouped_mm"):
+            raise ValueError(f"experts backend {backend!r} is unknown; choose 'auto', 'loop' or 'grouped_mm'")
+        self.backend = backend
+        # Zeros here; build_model / init_parameters give the values (N(0, σ), w2 scaled as a residual output).
+        self.w1 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))
+        self.w3 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))
+        self.w2 = nn.Parameter(torch.zeros(n_experts, d_expert, d_model))
+
+    def per_expert(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(w1, w3, w2) of each expert. unbind, not w[e] in a loop: the backward of N selects would allocate N
+        zero gradients of the full [N, ...] shape; unbind's backward stacks the N pieces once."""
+        return list(zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model]."""
+        use_grouped = self.backend == "grouped_mm" or (self.backend == "auto" and grouped_mm_works(x, self.w1))
+        if use_grouped:
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, self.w1, offs=offsets)) * torch._grouped_mm(x, self.w3, offs=offsets)
+            return torch._grouped_mm(h, self.w2, offs=offsets)
+        # split, not x[a:b] in a loop, for the same reason as unbind: its backward is one concatenation.
+        outputs = [swiglu(xe, *w) for xe, w in zip(x.split(counts.tolist()), self.per_expert()) if xe.shape[0]]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, self.w2.shape[-1])
