@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from minidist.comm.topology import ParallelDims, Topology
+from minidist.memory import storage_bytes
 from minidist.model import build_model, get_preset
 from minidist.parallel import ParallelModel, ParallelOptions, parallelize
 from minidist.parallel.dp.data_parallel import DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
-from minidist.parallel.dp.zero_bytes import storage_bytes
 from minidist.parallel.ep.expert_grads import ExpertReplicas
 from minidist.parallel.grad_sync import GradSync, SingleReplica
 from minidist.train.optim import build_optimizer

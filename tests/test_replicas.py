@@ -86,7 +86,7 @@ def test_under_zero1_the_next_parameter_all_gather_hides_the_flip(results):
 @pytest.mark.parametrize("spec, words", [("bitflip:x:1", "is not bitflip:STEP:RANK"), ("flip:1:1", "is not"),
                                          ("bitflip:9:0", "step 9 is not among"), ("bitflip:1:2", "rank 2 does not")])
 def test_bad_fault_specs_are_one_line(spec, words):
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(faults.FaultError, match=words):
         faults.parse_fault(spec)
         faults.check_fault(spec, steps=4, world_size=2)
 

@@ -69,7 +69,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     env, device = checked.env, checked.device
     # The process groups; on a failure each rank writes OUT/flight/ (a bad setting is no communication failure).
     with joined(checked.dims, env, device, cfg.comm_timeout, Path(cfg.out),
-                ignore=(ConfigError, faults.FaultError)) as topo:
+                ignore=(ConfigError,)) as topo:
         run = setup(cfg, env, topo, device)
         resume(run)
         return train_loop(run)
@@ -180,6 +180,14 @@ def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.
     return losses, grad_norm
 
 
+def inject_fault(run: Run, step: int) -> None:
+    """--inject-fault's drill after this step's update; a drill this layout cannot run is a bad setting."""
+    try:
+        faults.inject(run.cfg.inject_fault, step, run.env.rank, run.parallel.model, params_sharded=run.cfg.zero == 3)
+    except faults.FaultError as e:
+        raise ConfigError(str(e)) from None
+
+
 def train_loop(run: Run) -> dict[str, Any]:
     # `last` keeps the cadence of --steps for evaluations and checks (a stopped and resumed run logs what a straight
     # run does); `stopping`, the last step of this run (--stop-after's), always prints its progress line.
@@ -200,7 +208,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         losses, grad_norm = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
                                        autocast=run.autocast)
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
-        faults.inject(cfg.inject_fault, step, run.env.rank, run.parallel.model, params_sharded=cfg.zero == 3)
+        inject_fault(run, step)
         seconds = time.perf_counter() - started
         mfu, note = meter.step(info["tokens_per_step"], seconds, count=step > run.start_step)
         if note:
@@ -257,7 +265,7 @@ def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMe
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_config(argv))
-    except (ConfigError, faults.FaultError) as e:
+    except ConfigError as e:
         if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
