@@ -3,7 +3,7 @@
     .venv/bin/python bench/tp.py [--preset small] [--batch 8] [--seq 128] [--steps 10] [--warmup 2] [--world 2]
 
 Both sides start from the same built `minidist` Transformer (same weights) on `--world` gloo CPU ranks:
-- minidist: `apply_tensor_parallel` (and, in an extra row, with sequence parallelism) + `vocab_parallel_lm_loss`;
+- minidist: `apply_tensor_parallel` (and, in an extra row, with sequence parallelism) + `vocab_parallel_cross_entropy`;
 - DTensor: `parallelize_module` on a 1-D DeviceMesh with ColwiseParallel for wq/wk/wv/w1/w3, RowwiseParallel for
   wo/w2, the embedding split by vocabulary rows (RowwiseParallel) and the lm_head by vocabulary columns
   (ColwiseParallel, logits left sharded) scored under `loss_parallel()`: the same layout as minidist's.
@@ -31,7 +31,7 @@ from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, get_preset
 from minidist.parallel.tp.tensor import apply_tensor_parallel
-from minidist.parallel.tp.vocab import vocab_parallel_lm_loss
+from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy
 
 
 def dtensor_model(model: torch.nn.Module, world: int) -> torch.nn.Module:
@@ -86,7 +86,7 @@ def rank_step_times(preset: str, batch: int, seq: int, steps: int, warmup: int) 
             dtensor_backward(loss)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         else:
-            loss = vocab_parallel_lm_loss(model(inputs), targets, comm)
+            loss = vocab_parallel_cross_entropy(model(inputs), targets, comm)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -35,7 +35,7 @@ from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.placement import clip_grad_norm_, full_tensor, gather_full, placement_of
 from minidist.parallel.tp.tensor import apply_tensor_parallel, tensor_parallel_plan, validate_tensor_parallel
 from minidist.parallel.tp.traffic import expected_tp_traffic
-from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy, vocab_parallel_lm_loss
+from minidist.parallel.tp.vocab import vocab_parallel_cross_entropy
 
 # GPT-2's choices (GELU, LayerNorm with biases, learned positions, tied embeddings) on the parity shapes; with
 # n_kv_heads=2, tp=4 replicates the kv heads, so this covers every special gradient path.
@@ -79,7 +79,7 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
     for step in range(steps):
         inputs, targets = global_batch(step)
         inputs, targets = inputs[first:first + rows], targets[first:first + rows]
-        loss = vocab_parallel_lm_loss(model(inputs), targets, tp_comm)
+        loss = vocab_parallel_cross_entropy(model(inputs), targets, tp_comm)
         loss.backward()
         if step == 0:
             traffic = ledger.totals()
@@ -132,7 +132,7 @@ def _bf16_reduction_case() -> dict:
         inputs, targets = global_batch(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(inputs)
-        vocab_parallel_lm_loss(logits, targets, comm).backward()
+        vocab_parallel_cross_entropy(logits, targets, comm).backward()
         comm_ledgers[name] = ledger.totals()
     return comm_ledgers
 

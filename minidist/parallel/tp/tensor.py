@@ -18,7 +18,7 @@ in `minidist.parallel.tp.linear`, the expected traffic in `minidist.parallel.tp.
 `apply_tensor_parallel(model, cfg, tp_comm)` swaps modules by a plan (`tensor_parallel_plan`, plain data) and keeps
 every parameter name, so init values, checkpoints and parity compare by name; each shard is a slice of the full
 value the model was built with. The model then returns this rank's vocabulary shard of the logits; the loss is
-`vocab_parallel_lm_loss`. Replicated parameters whose gradient is a partial sum over the tp ranks (norm weights
+`vocab_parallel_cross_entropy`. Replicated parameters whose gradient is a partial sum over the tp ranks (norm weights
 under sequence parallelism, key/value heads replicated because tp > n_kv_heads, MLA's latent down-projections)
 get a gradient hook that sums it: f applied to the parameter itself.
 
@@ -156,10 +156,10 @@ def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_comm: Comm, seq
     """Shard a built `Transformer` in place over the ranks of `tp_comm` and return it.
 
     Afterwards `model(tokens)` returns this rank's vocabulary slice of the logits [B, T, V/tp] (score them with
-    `vocab_parallel_lm_loss(logits, targets, tp_comm)`); with `sequence_parallel`, T must be divisible by tp. Every
-    parameter keeps its name and carries `param.placement` (its "tp" split). Apply it after moving the model to its
-    device (the gradient hooks live on the parameter objects). `reduce_dtype=torch.float32` sums bf16 partial sums
-    in fp32.
+    `vocab_parallel_cross_entropy(logits, targets, tp_comm)`); with `sequence_parallel`, T must be divisible by tp.
+    Every parameter keeps its name and carries `param.placement` (its "tp" split). Apply it after moving the model
+    to its device (the gradient hooks live on the parameter objects). `reduce_dtype=torch.float32` sums bf16
+    partial sums in fp32.
     """
     tp = tp_comm.size
     validate_tensor_parallel(cfg, tp)

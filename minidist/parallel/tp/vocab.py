@@ -124,15 +124,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / valid.sum()
-
-
-def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
-                           ignore_index: int = -100) -> torch.Tensor:
-    """`minidist.model.lm_loss` for a tensor-parallel model, whose logits are this rank's vocabulary shard."""
-    return vocab_parallel_cross_entropy(logits, targets, comm, ignore_index=ignore_index)
-
-
-def gather_logits(logits: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """The full logits [..., V] from every rank's shard [..., V/p] (for sampling or inspection, not training)."""
-    moved = logits.movedim(-1, 0).contiguous()
-    return comm.all_gather(moved).movedim(0, -1)
