@@ -11,9 +11,14 @@ from torch._dynamo.utils import counters
 
 from minidist.model import build_model, get_preset
 from minidist.train import loop as train
-from minidist.train.blocks import compile_blocks, compiled_blocks
+from minidist.train.blocks import compile_blocks
 from minidist.train.config import ConfigError, parse_config
 from tests.test_train import small_config
+
+
+def compiled_blocks(model) -> int:
+    """How many of `model.blocks` go through compiled code (`nn.Module.compile` sets `_compiled_call_impl`)."""
+    return sum(getattr(block, "_compiled_call_impl", None) is not None for block in model.blocks)
 
 
 def test_compiled_run_logs_the_eager_run(tmp_path):

@@ -57,8 +57,3 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     for block in model.blocks:
         block.compile()
     return model
-
-
-def compiled_blocks(model: nn.Module) -> int:
-    """How many of `model.blocks` go through compiled code (a pipeline stage's missing blocks are None)."""
-    return sum(getattr(block, "_compiled_call_impl", None) is not None for block in model.blocks if block is not None)
