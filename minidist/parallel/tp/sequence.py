@@ -52,26 +52,19 @@ class _ReduceScatterSequence(torch.autograd.Function):  # Korthikanti's ḡ: red
         return _gather_seq(grad, ctx.comm), None, None
 
 
-class _GatherWholeSequence(torch.autograd.Function):  # all-gather; backward: my slice of a gradient all ranks hold
+class _GatherOrSlice(torch.autograd.Function):
+    """All-gather of the sequence, or this rank's slice of a sequence every rank holds whole: each is the other's
+    backward (around a layer every rank runs whole, every rank holds the same gradient, so a slice of it is this
+    rank's share)."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_seq(x, comm)
+    def forward(ctx, x, comm, gather: bool):
+        ctx.comm, ctx.gather = comm, gather
+        return _gather_seq(x, comm) if gather else _slice_seq(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice_seq(grad, ctx.comm), None
-
-
-class _SliceSequence(torch.autograd.Function):  # the converse: my slice of a tensor all ranks hold; all-gather back
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _slice_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
+        return (_slice_seq(grad, ctx.comm) if ctx.gather else _gather_seq(grad, ctx.comm)), None, None
 
 
 def gather_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -87,9 +80,9 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, reduce_dtype: torch.dty
 def gather_whole_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """[B, T/p, ...] -> [B, T, ...] for a layer every rank runs whole; backward: this rank's slice of the gradient
     (every rank holds the same one)."""
-    return _GatherWholeSequence.apply(x, comm)
+    return _GatherOrSlice.apply(x, comm, True)
 
 
 def slice_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """[B, T, ...] the same on every rank -> this rank's [B, T/p, ...]; backward: all-gather of the gradient."""
-    return _SliceSequence.apply(x, comm)
+    return _GatherOrSlice.apply(x, comm, False)
