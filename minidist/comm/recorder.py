@@ -46,7 +46,8 @@ from typing import Any
 FORMAT = "minidist-flight/1"
 CAPACITY = 2048  # records kept per rank: a few steps of a small model, the last micro-batches of a big one
 P2P_OPS = ("send", "recv")
-_COMM_FILE = os.path.join("minidist", "comm", "communicator.py")
+# Comm's own frames, named as Python names them (the same import path as this file's).
+_COMM_FILE = os.path.join(os.path.dirname(__file__), "communicator.py")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../minidist
 _ROOT = os.path.dirname(_PACKAGE)
 _MAX_DEPTH = 8  # frames walked to leave communicator.py; deeper than any Comm method calls itself
@@ -81,7 +82,7 @@ class FlightRecorder:
         self._counts[key] = index + 1
         frame = sys._getframe(1)
         depth = 0
-        while frame.f_back is not None and frame.f_code.co_filename.endswith(_COMM_FILE) and depth < _MAX_DEPTH:
+        while frame.f_back is not None and frame.f_code.co_filename == _COMM_FILE and depth < _MAX_DEPTH:
             frame, depth = frame.f_back, depth + 1
         seq = self.seq
         self._ring.append((seq, group, ranks, op, index, shape, dtype, peer, batch, detail, frame.f_code,

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterable
 
 import torch
+
+from minidist.comm import communicator
 
 
 class TrainingDiverged(RuntimeError):
@@ -52,13 +55,13 @@ def comm_failure(exc: BaseException) -> str | None:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    innermost = frames[-1].f_code.co_filename if frames else ""
-    if not any(part in innermost for part in ("minidist/comm/communicator.py", "torch/distributed")):
+    innermost = os.path.abspath(frames[-1].f_code.co_filename) if frames else ""
+    if innermost != os.path.abspath(communicator.__file__) and f"torch{os.sep}distributed" not in innermost:
         return None
     where = "a collective"
     for frame in frames:
         comm = frame.f_locals.get("self")
-        if type(comm).__name__ == "Comm":
+        if isinstance(comm, communicator.Comm):
             where = f"{frame.f_code.co_name} over group {comm.name} (ranks {comm.ranks})"
             break
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
