@@ -52,19 +52,20 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     against the world size and the model."""
     rest = cfg.tp * cfg.pp * cfg.cp
     dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
+    options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
+                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
+                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
     try:
-        dims = ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
-        dims.validate(world_size)
+        layout = Layout(ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep), options, cfg.recompute)
+        layout.dims.validate(world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    dims = layout.dims
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
                           f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
     check_model_split(cfg, dims)
-    options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
-                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
-                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
-    return Layout(dims, options, cfg.recompute)
+    return layout
 
 
 def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
