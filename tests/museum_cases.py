@@ -8,20 +8,22 @@ import functools
 
 from minidist.debug import museum
 from minidist.debug import parity_run as pr
+from minidist.parallel import Layout
 
 BUG_STEPS = 2  # the first step's gradients and norm, and the replica check after a second update
 LAB_STEPS = 3
-LAB = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2, microbatches=2)}
+LAB = {"dp2": Layout.of(dp=2), "tp2": Layout.of(tp=2), "pp2": Layout.of(pp=2, microbatches=2)}
 DTYPES = ("fp32", "bf16")
 
 
 def setups() -> list[pr.Setup]:
     out = []
     for name, exhibit in museum.BUGS.items():
-        out.append(pr.Setup(steps=BUG_STEPS, bug=name, label=name, **exhibit.layout))
-        out.append(pr.Setup(steps=BUG_STEPS, label=f"{name} off", **exhibit.layout))
+        out.append(pr.Setup(exhibit.layout, steps=BUG_STEPS, bug=name, label=name))
+        out.append(pr.Setup(exhibit.layout, steps=BUG_STEPS, label=f"{name} off"))
     for dtype in DTYPES:
-        out += [pr.Setup(steps=LAB_STEPS, dtype=dtype, label=f"{label} {dtype}", **dims) for label, dims in LAB.items()]
+        out += [pr.Setup(layout, steps=LAB_STEPS, dtype=dtype, label=f"{label} {dtype}")
+                for label, layout in LAB.items()]
     return out
 
 
@@ -35,4 +37,4 @@ def results() -> dict[str, dict]:
 @functools.lru_cache(maxsize=8)
 def reference(dtype: str, steps: int, microbatches: int = 1, reverse: bool = False) -> dict:
     """The one-process run (or, with microbatches/reverse, one process accumulating in another order)."""
-    return pr.run_local(pr.Setup(steps=steps, dtype=dtype, microbatches=microbatches, reverse=reverse))
+    return pr.run_local(pr.Setup(Layout.of(microbatches=microbatches), steps=steps, dtype=dtype, reverse=reverse))

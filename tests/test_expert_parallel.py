@@ -15,7 +15,7 @@ import torch
 from minidist.model import get_preset
 from minidist.parallel.ep.expert import validate_expert_parallel
 from minidist.train.config import ConfigError, TrainConfig
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 STAT_RTOL = 1e-5
 
@@ -130,7 +130,7 @@ def _cfg(**changes) -> TrainConfig:
 ])
 def test_bad_layouts_fail_in_one_line_before_any_group(changes: dict, world: int, words: str) -> None:
     with pytest.raises(ConfigError) as info:
-        resolve_parallel_dims(_cfg(**changes), world)
+        resolve_layout(_cfg(**changes), world)
     assert words in str(info.value) and "\n" not in str(info.value)
 
 

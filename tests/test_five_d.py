@@ -22,7 +22,7 @@ import trainer_parity
 
 from minidist.comm.launch import run_ranks
 from minidist.train.config import TrainConfig
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 DIMS = ("dp", "tp", "pp", "cp", "ep")
 ZERO_STAGES, SCHEDULES, KINDS = (1, 2, 3), ("afab", "1f1b", "interleaved"), ("dense", "moe")
@@ -94,7 +94,7 @@ def test_the_matrix_covers_every_pair() -> None:
         assert layout.world in (4, 8)
         assert len(layout.on() - {"ep"}) <= 3
         assert (layout.kind == "moe") >= (layout.settings.get("ep", 1) > 1)  # ep needs experts
-        resolve_parallel_dims(config("unused", layout.kind, layout.tied, **layout.settings), layout.world)  # valid
+        resolve_layout(config("unused", layout.kind, layout.tied, **layout.settings), layout.world)  # valid
     assert len(MATRIX) < len(list(itertools.product(ZERO_STAGES, SCHEDULES, KINDS)))  # far below all products
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minidist.train.config import parse_config
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(("path", "world"), [("configs/gpu/dense-1b.toml", 1), ("configs/gpu/llama3-8b-8gpu.toml", 8)])
 def test_gpu_configs_parse_and_fit_their_gpu_count(path, world):
     cfg = parse_config(["--config", str(ROOT / path)])
-    dims = resolve_parallel_dims(cfg, world)
+    dims = resolve_layout(cfg, world).dims
     assert dims.dp * dims.tp * dims.pp * dims.cp == world and cfg.dtype == "auto"
 
 

@@ -11,12 +11,12 @@ from minidist.comm.launch import run_ranks
 from minidist.flops import count_params
 from minidist.memory import PeakSavedBytes
 from minidist.model import build_model, get_preset, lm_loss
+from minidist.parallel import Layout
 from minidist.plan.memory_measure import measure_layouts
 from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     TOLERANCE,
-    Layout,
     check_against_one_block,
     chunks_in_flight,
     estimate_memory,
@@ -29,34 +29,24 @@ MOE = CFG.replace(moe={"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "d_exp
 SEQ_LEN, GLOBAL_BATCH = 32, 8
 PARTS = ("params", "grads", "optimizer", "activations")
 
-# (label, model, ParallelDims fields, ParallelOptions fields, recompute) at world size 2: every dimension, ZeRO
-# 1 and 3, sequence parallel, two schedules, the three CP attentions, recomputation, experts.
+# (label, model, layout) at world size 2: every dimension, ZeRO 1 and 3, sequence parallel, two schedules, the three
+# CP attentions, recomputation, experts.
 CASES = [
-    ("dp2 zero1", CFG, {"dp": 2}, {"zero": 1}, False),
-    ("dp2 zero3 recompute", CFG, {"dp": 2}, {"zero": 3}, True),
-    ("tp2", CFG, {"tp": 2}, {}, False),
-    ("tp2 sp", CFG, {"tp": 2}, {"sequence_parallel": True}, False),
-    ("pp2 1f1b m4", CFG, {"pp": 2}, {"microbatches": 4}, False),
-    ("pp2 interleaved m4 v2", CFG, {"pp": 2}, {"microbatches": 4, "virtual_stages": 2, "schedule": "interleaved"},
-     False),
-    ("cp2 ring", CFG, {"cp": 2}, {}, False),
-    ("cp2 allgather", CFG, {"cp": 2}, {"cp_impl": "allgather"}, False),
-    ("dp2 ep2 moe zero2", MOE, {"dp": 2, "ep": 2}, {"zero": 2}, False),
+    ("dp2 zero1", CFG, Layout.of(dp=2, zero=1)),
+    ("dp2 zero3 recompute", CFG, Layout.of(dp=2, zero=3, recompute="full")),
+    ("tp2", CFG, Layout.of(tp=2)),
+    ("tp2 sp", CFG, Layout.of(tp=2, sequence_parallel=True)),
+    ("pp2 1f1b m4", CFG, Layout.of(pp=2, microbatches=4)),
+    ("pp2 interleaved m4 v2", CFG, Layout.of(pp=2, microbatches=4, virtual_stages=2, schedule="interleaved")),
+    ("cp2 ring", CFG, Layout.of(cp=2)),
+    ("cp2 allgather", CFG, Layout.of(cp=2, cp_impl="allgather")),
+    ("dp2 ep2 moe zero2", MOE, Layout.of(dp=2, ep=2, zero=2)),
 ]
 
 
-def _layout(dims: dict, options: dict, recompute: bool) -> Layout:
-    return Layout(**dims, zero=options.get("zero", 0), microbatches=options.get("microbatches", 1),
-                  virtual_stages=options.get("virtual_stages", 1), recompute="full" if recompute else "none",
-                  sp=options.get("sequence_parallel", False), schedule=options.get("schedule", "1f1b"),
-                  cp_impl=options.get("cp_impl", "ring"))
-
-
 def _measure(model_cfg, cases) -> list[list[dict]]:
-    specs = [{"label": label, "dims": dims, "options": options, "recompute": rec} for label, _, dims, options, rec
-             in cases]
-    return run_ranks(measure_layouts, 2, model_cfg, specs, SEQ_LEN, GLOBAL_BATCH, timeout=180,
-                     case="memory model layouts")
+    return run_ranks(measure_layouts, 2, model_cfg, {label: layout for label, _, layout in cases}, SEQ_LEN,
+                     GLOBAL_BATCH, timeout=180, case="memory model layouts")
 
 
 def test_memory_model_matches_measured_bytes_per_rank():
@@ -67,9 +57,8 @@ def test_memory_model_matches_measured_bytes_per_rank():
             for case, got in zip(mine, results):
                 measured[case[0], rank] = (case, got)
     assert len({label for label, _ in measured}) >= 4
-    for (label, rank), ((_, model_cfg, dims, options, rec), got) in measured.items():
-        layout = _layout(dims, options, rec)
-        micro_batch = GLOBAL_BATCH // layout.dp // layout.microbatches
+    for (label, rank), ((_, model_cfg, layout), got) in measured.items():
+        micro_batch = GLOBAL_BATCH // layout.dims.dp // layout.options.microbatches
         est = estimate_memory(model_cfg, layout, SEQ_LEN, micro_batch, FP32, stage=got["coords"]["pp"])
         for part in PARTS:
             want = got[part]
@@ -95,10 +84,10 @@ def test_model_states_follow_zero_and_precision():
     whole = model_state_bytes(CFG, Layout(), BF16_MIXED)
     assert whole == {"params": 2 * n, "grads": 2 * n, "optimizer": 12 * n}  # ZeRO §3.1: 16 bytes per parameter
     assert sum(rank_params(CFG, Layout()).values()) == n
-    stage3 = model_state_bytes(CFG, Layout(dp=4, zero=3), BF16_MIXED)
+    stage3 = model_state_bytes(CFG, Layout.of(dp=4, zero=3), BF16_MIXED)
     assert stage3 == {k: v / 4 for k, v in whole.items()}
     # tp=2 splits every matrix, not the norms: between half and the whole
-    half = sum(rank_params(CFG, Layout(tp=2)).values())
+    half = sum(rank_params(CFG, Layout.of(tp=2)).values())
     assert n / 2 < half < n / 2 + 9 * CFG.d_model
 
 

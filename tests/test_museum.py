@@ -10,6 +10,7 @@ import museum_cases
 import pytest
 
 from minidist.debug import museum
+from minidist.parallel import Layout
 from minidist.parallel.pp.pipeline import PipelineRunner
 
 BUGS = list(museum.BUGS)
@@ -60,8 +61,9 @@ def test_a_bug_is_switched_off_when_its_block_ends() -> None:
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(dp=3), "dp=3 x microbatches=1 does not divide the global batch of 8 rows"),
-    (dict(tp=4), "tp=4 must divide 2 kv heads"),
+    (dict(layout=Layout.of(dp=3)), "dp=3 x microbatches=1 does not divide the global batch of 8 rows"),
+    (dict(layout=Layout.of(tp=4)), "tp=4 must divide 2 kv heads"),
+    (dict(layout=Layout.of(dp=2, zero=1)), "the lab varies dp, tp, pp, microbatches only, not zero"),
     (dict(dtype="fp16"), "dtype 'fp16' is not one of fp32, bf16"),
     (dict(bug="nope"), "unknown bug 'nope'"),
 ])

@@ -13,7 +13,8 @@ from minidist.comm.cost_model import alpha_beta_time
 from minidist.flops import count_params, mfu_flops_per_token
 from minidist.hardware import Link
 from minidist.model import get_preset
-from minidist.plan.rank_memory import FP32, Layout, estimate_memory
+from minidist.parallel import Layout
+from minidist.plan.rank_memory import FP32, estimate_memory
 from minidist.plan.search import JSON_KEYS, global_batch_sequences, main, parse_tokens, rank_of, search
 from minidist.plan.step_time import Cluster, predict_step
 
@@ -75,7 +76,7 @@ def test_step_time_by_hand_dp2():
     2(p−1)/p of the bytes) hides behind the backward (2/3 of the compute), the rest is exposed."""
     cfg = get_preset("tiny")
     seq, batch = 128, 8
-    t = predict_step(cfg, Layout(dp=2), seq, batch, _toy_cluster(1e12, alpha=1e-3), FP32)
+    t = predict_step(cfg, Layout.of(dp=2), seq, batch, _toy_cluster(1e12, alpha=1e-3), FP32)
     compute = mfu_flops_per_token(cfg, seq) * seq * batch / 2 / (1e12 * 0.5)
     grads = 4 * count_params(cfg)
     all_reduce = 2 * 1e-3 + grads / 1e9  # 2 steps of α; 2·(1/2)·M bytes at 1 GB/s
@@ -88,7 +89,7 @@ def test_step_time_by_hand_dp2():
 
 def test_layouts_over_memory_are_rejected_with_reasons(capsys):
     cfg = get_preset("tiny")
-    whole = estimate_memory(cfg, Layout(dp=4), 256, 4).total  # dp 4, no ZeRO: everything on every rank
+    whole = estimate_memory(cfg, Layout.of(dp=4), 256, 4).total  # dp 4, no ZeRO: everything on every rank
     plan = search(cfg, 4, 256, 16 * 256, _toy_cluster(0.9 * whole), FP32)
     assert plan.feasible and plan.rejected
     assert all(c.memory.total <= plan.budget for c in plan.feasible)

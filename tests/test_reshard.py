@@ -26,7 +26,7 @@ from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint, reshard, run_state
 from minidist.train import loop as train
 from minidist.train.config import ConfigError, TrainConfig
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 # tied embeddings: under pp the first and last stage each hold tok_emb.weight, and only one of them writes it
 MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32,
@@ -93,8 +93,9 @@ def resave(root: str, chain: str, step: int, name: str, layout: dict) -> None:
         dist.barrier()
     cfg = config(str(out), resume=True, **layout)
     device = torch.device("cpu")
-    topo, _ = init_distributed(resolve_parallel_dims(cfg, env.world_size), env, device, timeout_s=120)
-    run = train.setup(cfg, env, topo, device)
+    layout = resolve_layout(cfg, env.world_size)
+    topo, _ = init_distributed(layout.dims, env, device, timeout_s=120)
+    run = train.setup(cfg, layout, env, topo, device)
     assert run_state.restore_run(run) == step
     run_state.save_run(run, step)
 

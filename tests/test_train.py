@@ -14,7 +14,7 @@ from minidist import precision
 from minidist.comm.topology import ParallelDims
 from minidist.data.corpus import BatchSampler, load_corpus, unigram_entropy_nats
 from minidist.model import build_model, get_preset, lm_loss
-from minidist.parallel import ParallelModel, clip_grad_norm_, placement_of
+from minidist.parallel import Layout, ParallelModel, clip_grad_norm_, placement_of
 from minidist.train import loop as train
 from minidist.train.config import (
     FLAGS,
@@ -26,7 +26,7 @@ from minidist.train.config import (
     parse_config,
 )
 from minidist.train.optim import WarmupCosine, build_optimizer, param_groups
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 from minidist.train.reshard import read_full_model
 from minidist.trust import health
 
@@ -107,17 +107,21 @@ def test_cli_config_error_exits_2_with_one_line():
 
 def test_parallel_flags_checked_against_world_size():
     # Chapter 10: cp is carved out of the world size like tp and pp.
-    assert resolve_parallel_dims(TrainConfig(cp=2), world_size=4) == ParallelDims(dp=2, cp=2)
+    assert resolve_layout(TrainConfig(cp=2), world_size=4).dims == ParallelDims(dp=2, cp=2)
     cfg = TrainConfig(tp=2)
     with pytest.raises(ConfigError, match="does not fit 3 ranks"):
-        resolve_parallel_dims(cfg, world_size=3)
+        resolve_layout(cfg, world_size=3)
     # Chapters 08-09: dp is what tp and pp leave of the world size.
-    assert resolve_parallel_dims(TrainConfig(tp=2, pp=2), world_size=8) == ParallelDims(dp=2, tp=2, pp=2)
+    assert resolve_layout(TrainConfig(tp=2, pp=2), world_size=8).dims == ParallelDims(dp=2, tp=2, pp=2)
     # Chapter 07: dp defaults to the world size; the global batch must split into dp x microbatches.
-    assert resolve_parallel_dims(TrainConfig(zero=3), world_size=4) == ParallelDims(dp=4)
+    assert resolve_layout(TrainConfig(zero=3), world_size=4).dims == ParallelDims(dp=4)
     with pytest.raises(ConfigError, match=r"not divisible by dp\*microbatches = 4\*1"):
-        resolve_parallel_dims(TrainConfig(batch_size=6), world_size=4)
-    assert resolve_parallel_dims(TrainConfig(), world_size=1) == ParallelDims()
+        resolve_layout(TrainConfig(batch_size=6), world_size=4)
+    assert resolve_layout(TrainConfig(), world_size=1) == Layout()
+    # the one record the trainer runs: the grid's degrees, how each dimension is applied, the recomputation
+    assert resolve_layout(TrainConfig(zero=3), world_size=4) == Layout.of(dp=4, zero=3)
+    assert resolve_layout(TrainConfig(tp=2, sp=True, microbatches=2, recompute="full"), world_size=2) == \
+        Layout.of(tp=2, sequence_parallel=True, microbatches=2, recompute="full")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import trainer_parity
 
 from minidist.comm.launch import run_ranks
 from minidist.train.config import ConfigError, TrainConfig, check_config
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 
@@ -65,13 +65,13 @@ def test_layout_logs_the_single_process_run(name, results, reference) -> None:
     (4, dict(cp=2, tp=2, sp=True, seq_len=36), None),  # 36 = 4 zig-zag chunks of 9; 18 per rank over tp 2
 ])
 def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:
-    """Checked by `resolve_parallel_dims`, which runs before any process group is created."""
+    """Checked by `resolve_layout`, which runs before any process group is created."""
     cfg = config("unused", **changes)
     if words is None:
-        resolve_parallel_dims(cfg, world)
+        resolve_layout(cfg, world)
         return
     with pytest.raises(ConfigError) as info:
-        resolve_parallel_dims(cfg, world)
+        resolve_layout(cfg, world)
     assert words in str(info.value) and "\n" not in str(info.value)
 
 

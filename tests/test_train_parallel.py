@@ -15,7 +15,7 @@ from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint
 from minidist.train import loop as train
 from minidist.train.config import ConfigError, TrainConfig
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 # n_heads 4 and n_kv_heads 2 split over tp 2; 4 layers split over pp 4, or pp 2 x 2 virtual stages.
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
@@ -96,7 +96,7 @@ def test_tp_pp_run_resumes_exactly(results) -> None:
 
 def _error(world: int, **changes) -> str:
     with pytest.raises(ConfigError) as info:
-        resolve_parallel_dims(config("unused", **changes), world)
+        resolve_layout(config("unused", **changes), world)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -112,5 +112,5 @@ def _error(world: int, **changes) -> str:
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
 ])
 def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:
-    """Checked by `resolve_parallel_dims`, which runs before any process group is created."""
+    """Checked by `resolve_layout`, which runs before any process group is created."""
     assert words in _error(world, **changes)

@@ -14,7 +14,7 @@ from minidist.memory import LiveTensorBytes
 from minidist.parallel.placement import placement_of
 from minidist.train import loop as train
 from minidist.train.config import TrainConfig, check_config
-from minidist.train.preflight import resolve_parallel_dims
+from minidist.train.preflight import resolve_layout
 
 # d 256, 4 layers: 3.3M parameters (13.1 MB fp32); the largest is a 256 x 768 MLP matrix (0.79 MB).
 MODEL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768, max_seq_len=64)
@@ -27,9 +27,10 @@ def _setup_bytes(root: str, layout: dict) -> dict:
     mcfg = check_config(cfg)
     env = DistEnv.detect()
     device = pick_device("cpu", env)
-    topo, _ = init_distributed(resolve_parallel_dims(cfg, env.world_size), env, device)
+    parallel_layout = resolve_layout(cfg, env.world_size)
+    topo, _ = init_distributed(parallel_layout.dims, env, device)
     with LiveTensorBytes() as memory:
-        run = train.setup(cfg, env, topo, device)
+        run = train.setup(cfg, parallel_layout, env, topo, device)
         kept = memory.current  # everything setup leaves alive: the parameters, the corpus, validation batches
     params = list(run.parallel.model.parameters())
     largest = max(math.prod(placement_of(p).full_shape) for p in params) * 4

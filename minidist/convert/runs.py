@@ -146,12 +146,13 @@ def _save_step0(cfg: Any, state: dict[str, torch.Tensor]) -> None:
     from minidist.comm.bootstrap import DistEnv, init_distributed
     from minidist.train import loop as train
     from minidist.train import run_state
-    from minidist.train.preflight import resolve_parallel_dims
+    from minidist.train.preflight import resolve_layout
 
     env = DistEnv(rank=0, world_size=1, local_rank=0)
     device = torch.device("cpu")
-    topo, _ = init_distributed(resolve_parallel_dims(cfg, 1), env, device)
-    run = train.setup(cfg, env, topo, device)
+    layout = resolve_layout(cfg, 1)
+    topo, _ = init_distributed(layout.dims, env, device)
+    run = train.setup(cfg, layout, env, topo, device)
     with torch.no_grad():
         missing, unexpected = run.parallel.model.load_state_dict(state, strict=False)
     if missing or unexpected:  # a bug of this module, not of the input: say what differs

@@ -31,7 +31,7 @@ import torch
 
 from minidist.comm.communicator import Handle
 from minidist.debug import grad_diff, tolerance
-from minidist.parallel import assembly
+from minidist.parallel import Layout, assembly
 from minidist.parallel.dp.data_parallel import AllReduceGrads
 from minidist.parallel.placement import Placement, placement_of
 from minidist.parallel.pp.pipeline import PipelineRunner
@@ -44,7 +44,7 @@ class Bug:
     title: str
     description: str
     lives_in: str  # the module (and function) whose behaviour the exhibit changes
-    layout: dict  # the smallest layout that shows it (Setup fields: dp, tp, pp, microbatches)
+    layout: Layout  # the smallest layout that shows it (parity_run.LAB_SETTINGS: dp, tp, pp, microbatches)
     check: str  # which check catches it: replicas, ledger, grad_norm, grads, params, contributions
     diff: str  # what the localizing diff compares: grads, params or contributions
     layer: str  # regular expression: the parameters that diff must flag (and no others)
@@ -150,40 +150,40 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
     Bug("no_sync_never_synced", "gradients never averaged under accumulation",
         "Accumulation with no_sync around every micro-batch, the last one included: the reduction that should "
         "follow the last backward never runs, and each replica steps on the gradient of its own rows.",
-        "parallel/dp/data_parallel.py (AllReduceGrads: the bucket all-reduce)", dict(dp=2, microbatches=2),
+        "parallel/dp/data_parallel.py (AllReduceGrads: the bucket all-reduce)", Layout.of(dp=2, microbatches=2),
         check="replicas", diff="grads", layer=r".*", patch=_never_synced),
     Bug("pipeline_missing_1_over_m", "a missing 1/m in the pipeline loss",
         "The last stage scales each micro-batch's loss sum by 1 / (its own tokens) instead of 1 / (the global "
         "batch's): the gradient is m times too large. Clipping and Adam hide it from the loss curve.",
-        "parallel/pp/pipeline.py (PipelineRunner.step's loss_scale)", dict(pp=2, microbatches=2),
+        "parallel/pp/pipeline.py (PipelineRunner.step's loss_scale)", Layout.of(pp=2, microbatches=2),
         check="grad_norm", diff="grads", layer=r".*", patch=_pipeline_without_1_over_m),
     Bug("grad_norm_tp_replicas", "replicated weights counted once per tp rank in the grad norm",
         "The global norm sums squares over the tp group without dividing a replicated parameter (the RMSNorm "
         "weights) by its number of copies: the norm is too large and every step is clipped too hard.",
-        "parallel/placement.py (grad_norm: Placement.copies)", dict(tp=2),
+        "parallel/placement.py (grad_norm: Placement.copies)", Layout.of(tp=2),
         check="grad_norm", diff="contributions", layer=r"norm\.weight$", patch=_norm_counts_tp_replicas),
     Bug("grad_norm_one_stage", "the grad norm over one pipeline stage only",
         "Each pipeline stage clips by the norm of its own parameters: the stages disagree on the norm and none "
         "of them has the model's.",
-        "parallel/assembly.py (ParallelModel.grad_pieces: the groups the norm sums over)", dict(pp=2),
+        "parallel/assembly.py (ParallelModel.grad_pieces: the groups the norm sums over)", Layout.of(pp=2),
         check="grad_norm", diff="contributions", layer=r"^(blocks\.1\.|norm\.|lm_head\.)",
         patch=_norm_over_one_stage),
     Bug("tp_init_per_rank_rng", "tp random state drifting apart",
         "Each tp rank draws its shards from its own random state (seed + rank) instead of slicing the one "
         "(seed, name) init: every shard has the right scale, but the full tensor is not the one-process one.",
-        "parallel/tp/tensor.py (apply_tensor_parallel's shards)", dict(tp=2),
+        "parallel/tp/tensor.py (apply_tensor_parallel's shards)", Layout.of(tp=2),
         check="params", diff="params", layer=r"^(?!.*norm\.weight$)", patch=_tp_init_per_rank_rng),
     Bug("vocab_padded_inconsistently", "a vocabulary padded inconsistently",
         "The embedding table is padded to a multiple of 320 rows before it is cut into tp slices, the output "
         "layer is not: rank 1's slice starts 32 rows late. The stdlib corpus has no byte >= 128, so no loss moves; "
         "the first non-ASCII byte reads a wrong row.",
-        "parallel/tp/tensor.py + parallel/tp/vocab.py (the vocabulary slices)", dict(tp=2),
+        "parallel/tp/tensor.py + parallel/tp/vocab.py (the vocabulary slices)", Layout.of(tp=2),
         check="params", diff="params", layer=r"^tok_emb\.weight$", patch=_vocab_padded_inconsistently),
     Bug("token_vs_sample_mean", "token-mean vs sample-mean loss",
         "Each micro-batch's loss is its own token mean and the step's loss the mean of those means: a "
         "micro-batch with a long masked prompt weighs as much as a full one. Equal to the token mean only when "
         "every micro-batch counts the same number of targets.",
-        "parallel/assembly.py (the loss normalization)", dict(dp=2),
+        "parallel/assembly.py (the loss normalization)", Layout.of(dp=2),
         check="grads", diff="grads", layer=r".*", patch=_sample_mean),
 ]}
 
@@ -216,11 +216,11 @@ def localize(name: str, record: dict, reference: dict, dtype: str = "fp32") -> g
     return _diff(BUGS[name].diff, record, reference, tolerance.rel_tol(dtype, steps=1))
 
 
-def checks(record: dict, reference: dict, dims: dict, dtype: str = "fp32") -> dict[str, str | None]:
+def checks(record: dict, reference: dict, layout: Layout, dtype: str = "fp32") -> dict[str, str | None]:
     """Every check on one run: {check: None if it passes, else one line saying what it saw}."""
     tol = tolerance.rel_tol(dtype, steps=1)
     out: dict[str, str | None] = {"replicas": record["replica_error"]}
-    dp, want = dims.get("dp", 1), None
+    dp, want = layout.dims.dp, None
     if record["dp_bytes"] is not None:  # a ring all-reduce sends 2(p-1)/p of the fp32 gradient per rank and step
         want = 2 * (dp - 1) / dp * 4 * record["numel"] * len(record["losses"])
     got_bytes = record["dp_bytes"]

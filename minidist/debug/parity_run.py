@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from minidist.comm.communicator import Ledger
 from minidist.comm.launch import run_ranks
-from minidist.comm.topology import ParallelDims, Topology
+from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, load_corpus
 from minidist.debug import grad_diff, museum
 from minidist.model import ModelConfig, build_model, get_preset
-from minidist.parallel import ParallelOptions, parallelize
+from minidist.parallel import Layout, parallelize
 from minidist.parallel.assembly import IGNORE_INDEX
 from minidist.parallel.dp.data_parallel import split_batch
 from minidist.precision import autocast_for
@@ -38,16 +38,15 @@ from minidist.trust.replicas import ReplicasDiffer, check_replicas, replica_comm
 CFG: ModelConfig = get_preset("tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
 SEQ_LEN, GLOBAL_BATCH, SEED = 32, 8, 1234
 LR, GRAD_CLIP = 3e-3, 0.5  # the clip is below the first steps' norms (~2): a wrong norm changes the update
+LAB_SETTINGS = ("dp", "tp", "pp", "microbatches")  # what a Setup's layout may change
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One experiment: a layout, a precision, a number of steps and optionally a museum bug switched on."""
+    """One experiment: a layout (dp, tp, pp and micro-batches: `check_setup`), a precision, a number of steps and
+    optionally a museum bug switched on."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1
+    layout: Layout = field(default_factory=Layout)
     steps: int = 1
     dtype: str = "fp32"  # or "bf16": autocast of the forward, fp32 weights, gradients and reductions
     reverse: bool = False  # accumulate this rank's micro-batches in reversed order
@@ -56,7 +55,7 @@ class Setup:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.layout.world_size
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,7 +75,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def local_batches(step: int, topo: Topology, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's rows of the global batch of `step` (a contiguous block per dp rank), in micro-batches."""
-    batches = split_batch(*global_batch(step), topo.coord("dp"), topo.size("dp"), setup.microbatches)
+    batches = split_batch(*global_batch(step), topo.coord("dp"), topo.size("dp"), setup.layout.options.microbatches)
     return batches[::-1] if setup.reverse else batches
 
 
@@ -84,9 +83,8 @@ def _train(setup: Setup, topo: Topology) -> dict:
     torch.manual_seed(SEED)
     model = build_model(CFG, seed=SEED)
     names = [name for name, _ in model.named_parameters()]
-    options = ParallelOptions(microbatches=setup.microbatches)
     make_optimizer = functools.partial(build_optimizer, lr=LR, weight_decay=0.1)
-    parallel = parallelize(model, CFG, topo, options, make_optimizer)
+    parallel = parallelize(model, CFG, topo, setup.layout.options, make_optimizer)
     quiet = topo.comm("tp", Ledger()) if topo.size("tp") > 1 else None  # checking gathers stay off any ledger
     out: dict = {"rank": topo.rank, "coords": dict(topo.coords), "losses": [], "norms": [],
                  "params0": grad_diff.full_named(parallel.model, quiet)}
@@ -119,7 +117,7 @@ def run_setup(setup: Setup, topo: Topology) -> dict:
 def run_rank(setups: list[Setup]) -> list[dict]:
     """Rank function: every setup in turn on this rank (all of them need the launch's world size)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    return [run_setup(s, Topology(ParallelDims(dp=s.dp, tp=s.tp, pp=s.pp), rank, world)) for s in setups]
+    return [run_setup(s, Topology(s.layout.dims, rank, world)) for s in setups]
 
 
 def merge(ranks: list[dict]) -> dict:
@@ -139,13 +137,17 @@ def merge(ranks: list[dict]) -> dict:
 
 def check_setup(setup: Setup) -> None:
     """Refuse, in one line and before any process starts, a setup this experiment cannot run."""
-    if min(setup.dp, setup.tp, setup.pp, setup.microbatches, setup.steps) < 1:
-        raise ValueError(f"{setup}: dp, tp, pp, microbatches and steps must be >= 1")
-    if GLOBAL_BATCH % (setup.dp * setup.microbatches):
-        raise ValueError(f"dp={setup.dp} x microbatches={setup.microbatches} does not divide the global batch of "
+    dims, microbatches = setup.layout.dims, setup.layout.options.microbatches
+    others = [key for key in setup.layout.changes() if key not in LAB_SETTINGS]
+    if others:  # what the records assume: the replicas are dp's, the shards tp's, the stages pp's
+        raise ValueError(f"{setup.layout}: the lab varies {', '.join(LAB_SETTINGS)} only, not {', '.join(others)}")
+    if min(microbatches, setup.steps) < 1:
+        raise ValueError(f"{setup}: microbatches and steps must be >= 1")
+    if GLOBAL_BATCH % (dims.dp * microbatches):
+        raise ValueError(f"dp={dims.dp} x microbatches={microbatches} does not divide the global batch of "
                          f"{GLOBAL_BATCH} rows; use a product among 1, 2, 4, 8")
-    if CFG.n_kv_heads % setup.tp or CFG.n_layers % setup.pp:
-        raise ValueError(f"tp={setup.tp} must divide {CFG.n_kv_heads} kv heads and pp={setup.pp} the "
+    if CFG.n_kv_heads % dims.tp or CFG.n_layers % dims.pp:
+        raise ValueError(f"tp={dims.tp} must divide {CFG.n_kv_heads} kv heads and pp={dims.pp} the "
                          f"{CFG.n_layers} layers of the lab's model; use tp and pp in 1, 2")
     if setup.dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype {setup.dtype!r} is not one of fp32, bf16")
@@ -180,6 +182,6 @@ def run_local(setup: Setup = Setup()) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a launch: the same kernels, the same rounding
     try:
-        return merge([run_setup(setup, Topology(ParallelDims(), 0, 1))])
+        return merge([run_setup(setup, Topology(setup.layout.dims, 0, 1))])
     finally:
         torch.set_num_threads(threads)

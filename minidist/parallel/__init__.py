@@ -3,12 +3,13 @@
 `parallelize` (parallelize.py) is the one assembly: it applies tensor (tensor.py, vocab.py; chapter 08), context
 (context/; chapter 10), pipeline (pipeline.py, schedules.py; chapter 09) and data parallelism with ZeRO
 (data_parallel.py, zero.py; chapter 07) in one documented order and returns a `ParallelModel`, the object a
-training loop talks to. Every parameter records where it lives (`layout.Placement`), and the one gradient norm of
-the package (`layout.clip_grad_norm_`) reads it.
+training loop talks to, for a layout described once (`layout.Layout`: the grid's `ParallelDims`, the
+`ParallelOptions` of each dimension, the recomputation). Every parameter records where it lives
+(`placement.Placement`), and the one gradient norm of the package (`placement.clip_grad_norm_`) reads it.
 docs/ARCHITECTURE.md draws the map.
 """
 
-from minidist.parallel.assembly import ParallelModel, ParallelOptions, StepLosses, count_targets, parallelize
+from minidist.parallel.assembly import ParallelModel, StepLosses, count_targets, parallelize
 from minidist.parallel.dp.data_parallel import (
     Bucket,
     DataParallel,
@@ -21,9 +22,11 @@ from minidist.parallel.dp.timeline import Timeline
 from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.dp.zero_bytes import zero_comm_bytes, zero_memory_bytes
 from minidist.parallel.dp.zero_params import default_units
+from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.parallel.placement import Placement, Split, clip_grad_norm_, grad_norm, placement_of
 
 __all__ = [
+    "Layout",
     "ParallelModel",
     "ParallelOptions",
     "Placement",

@@ -45,6 +45,7 @@ from minidist.parallel.dp.zero import ZeroOptimizer
 from minidist.parallel.ep.expert import apply_expert_parallel, is_expert_param, validate_expert_parallel
 from minidist.parallel.ep.expert_grads import ExpertReplicas
 from minidist.parallel.grad_sync import GradSync, OwnedRange, SingleReplica
+from minidist.parallel.layout import ParallelOptions
 from minidist.parallel.placement import Placement, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import TiedGrads, tie_across_stages
 from minidist.precision import check_fp32
@@ -52,20 +53,6 @@ from minidist.precision import check_fp32
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Autocast = Callable[[], contextlib.AbstractContextManager]
-
-
-@dataclass(frozen=True)
-class ParallelOptions:
-    """How each dimension is applied (the grid's sizes come from the Topology)."""
-
-    sequence_parallel: bool = False
-    tp_reduce_fp32: bool = False  # sum tensor-parallel partial sums in fp32 under bf16
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    zero: int = 0  # ZeRO stage over the dp_cp group
-    cp_impl: str = "ring"  # context-parallel attention: ring, allgather or ulysses
-    loss_chunk: int = 0  # > 0: head + cross-entropy over chunks of this many tokens (not with tp > 1 or ZeRO-3)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from minidist.comm.cost_model import fit_alpha_beta
 from minidist.flops import measure_matmul_peak, model_matmul_shapes
 from minidist.hardware import Link
 from minidist.model import ModelConfig
+from minidist.parallel import Layout
 from minidist.plan.memory_measure import build_case, random_batch
 from minidist.plan.step_time import Cluster
 
@@ -57,15 +58,15 @@ def cpu_cluster(peak: float, alpha: float, beta: float, ranks: int, efficiency: 
     return Cluster("cpu", peak, memory_bytes, ranks, link, link, efficiency, usable_memory=1.0)
 
 
-def time_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch: int, steps: int = 4,
+def time_layouts(cfg: ModelConfig, cases: dict[str, Layout], seq_len: int, global_batch: int, steps: int = 4,
                  seed: int = 0) -> list[dict]:
-    """Rank function: for each case {"label", "dims", "options", "recompute"} (as `memory_measure`), one warm-up
-    step then `steps` timed steps (all ranks start each after a barrier); the fastest, the least disturbed by
-    other jobs on a shared machine."""
+    """Rank function: for each case {label: layout} (as `memory_measure`), one warm-up step then `steps` timed
+    steps (all ranks start each after a barrier); the fastest, the least disturbed by other jobs on a shared
+    machine."""
     data = random_batch(cfg, seq_len, global_batch, seed)
     comm, results = Comm(), []
-    for case in cases:
-        parallel, _, batches, _ = build_case(cfg, case, data, seed)
+    for label, layout in cases.items():
+        parallel, _, batches, _ = build_case(cfg, layout, data, seed)
         seconds = []
         for step in range(steps + 1):
             comm.barrier()
@@ -76,7 +77,7 @@ def time_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch
             comm.barrier()
             if step:
                 seconds.append(time.perf_counter() - start)
-        results.append({"label": case["label"], "seconds": min(seconds)})
+        results.append({"label": label, "seconds": min(seconds)})
     return results
 
 

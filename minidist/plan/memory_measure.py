@@ -9,18 +9,18 @@ interpreter and torch itself, so the bytes are counted from the tensors:
 * activations: `memory.PeakSavedBytes` around the second step's forward and backward: the most bytes saved for the
   backward alive at once, over all the micro-batches a schedule keeps in flight.
 
-`measure_layouts` is a rank function for `minidist.comm.launch.run_ranks`: every rank runs every case and returns its
-own figures with its grid coordinates.
+`measure_layouts` is a rank function for `minidist.comm.launch.run_ranks`: every rank runs every case (a labelled
+`Layout`) and returns its own figures with its grid coordinates.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minidist.comm.topology import ParallelDims, Topology
+from minidist.comm.topology import Topology
 from minidist.memory import PeakSavedBytes, storage_bytes
 from minidist.model import ModelConfig, build_model
-from minidist.parallel import ParallelModel, ParallelOptions, parallelize
+from minidist.parallel import Layout, ParallelModel, parallelize
 from minidist.parallel.dp.data_parallel import split_batch
 from minidist.train.blocks import apply_recompute
 from minidist.train.optim import build_optimizer
@@ -43,30 +43,29 @@ def random_batch(cfg: ModelConfig, seq_len: int, global_batch: int, seed: int) -
     return inputs, torch.randint(0, cfg.vocab_size, (global_batch, seq_len), generator=generator)
 
 
-def build_case(cfg: ModelConfig, case: dict, data: tuple[torch.Tensor, torch.Tensor], seed: int
+def build_case(cfg: ModelConfig, layout: Layout, data: tuple[torch.Tensor, torch.Tensor], seed: int
                ) -> tuple[ParallelModel, Topology, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    """One case {"dims": ParallelDims fields, "options": ParallelOptions fields, "recompute": bool} on this rank:
-    (the parallelized model, its topology, this rank's micro-batches of `data`, the model's buffers)."""
-    dims = ParallelDims(**case["dims"])
-    options = ParallelOptions(**case.get("options", {}))
-    topo = Topology.from_env(dims)
+    """`layout` on this rank: (the parallelized model, its topology, this rank's micro-batches of `data`, the
+    model's buffers)."""
+    topo = Topology.from_env(layout.dims)
     model = build_model(cfg, seed=seed)
-    if case.get("recompute"):
+    if layout.recompute == "full":
         apply_recompute(model)
     buffers = list(model.buffers())
-    parallel = parallelize(model, cfg, topo, options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
-    batches = split_batch(*data, topo.coord("dp"), dims.dp, options.microbatches)
+    parallel = parallelize(model, cfg, topo, layout.options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
+    batches = split_batch(*data, topo.coord("dp"), layout.dims.dp, layout.options.microbatches)
     return parallel, topo, batches, buffers
 
 
-def measure_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_batch: int, seed: int = 0) -> list[dict]:
-    """Rank function: for each case {"label", "dims": ParallelDims fields, "options": ParallelOptions fields,
-    "recompute": bool}, build the layout, take one step and measure the next; return this rank's bytes by part
-    (params, grads, optimizer, activations) with its coordinates (pp, tp, dp, cp, ep) per case."""
+def measure_layouts(cfg: ModelConfig, cases: dict[str, Layout], seq_len: int, global_batch: int,
+                    seed: int = 0) -> list[dict]:
+    """Rank function: for each case {label: layout}, build the layout, take one step and measure the next; return
+    this rank's bytes by part (params, grads, optimizer, activations) with its label and coordinates (pp, tp, dp,
+    cp, ep) per case, in the cases' order."""
     data = random_batch(cfg, seq_len, global_batch, seed)
     results = []
-    for case in cases:
-        parallel, topo, batches, buffers = build_case(cfg, case, data, seed)
+    for label, layout in cases.items():
+        parallel, topo, batches, buffers = build_case(cfg, layout, data, seed)
         parallel.forward_backward(batches)
         parallel.clip_grad_norm_(0.0)
         parallel.step()
@@ -75,7 +74,7 @@ def measure_layouts(cfg: ModelConfig, cases: list[dict], seq_len: int, global_ba
         parallel.grad_pieces()  # the gradient reduction finished: shards and buckets hold their final bytes
         out = measure_model_states(parallel)
         out["activations"] = saved.peak
-        out.update(label=case["label"], coords={n: topo.coord(n) for n in ("pp", "dp", "cp", "tp", "ep")})
+        out.update(label=label, coords={n: topo.coord(n) for n in ("pp", "dp", "cp", "tp", "ep")})
         results.append(out)
         topo.comm("world").barrier()  # the next case builds new groups: every rank is done with this one
     return results

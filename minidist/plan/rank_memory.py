@@ -32,42 +32,11 @@ from dataclasses import dataclass
 from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
+from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import F, build_schedule, rank_chunks
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One point of the search space: the degrees of the five dimensions and how each is run."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    virtual_stages: int = 1
-    recompute: str = "none"  # "none" or "full"
-    sp: bool = False
-    schedule: str = "1f1b"
-    cp_impl: str = "ring"
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def sp_degree(self) -> int:
-        """What sequence parallelism splits the tokens outside the tp regions over: tp when on, else 1."""
-        return self.tp if self.sp and self.tp > 1 else 1
-
-    @property
-    def replicas(self) -> dict[str, int]:
-        """How many ranks hold a copy of each kind of parameter: dense over dp·cp, experts over edp = dp·cp / ep."""
-        return {"dense": self.dp * self.cp, "experts": self.dp * self.cp // self.ep}
 
 
 @dataclass(frozen=True)
@@ -133,7 +102,7 @@ def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, st
 
 def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
     """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO)."""
-    tp = layout.tp
+    tp = layout.dims.tp
     attn, attn_extra = _attention_weights(cfg)
     if cfg.attention == "mla":  # the latent down-projections are replicated over tp, the rest split by heads
         m, d = cfg.mla, cfg.d_model
@@ -141,20 +110,20 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
         attn_local = latent + (attn - latent) // tp + attn_extra
     else:
         attn_local = attn // tp + attn_extra // tp
-    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, layout.options.virtual_stages, stage)
     dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
     experts = 0
     if n_moe:
         moe, d = cfg.moe, cfg.d_model
         d_expert = moe.d_expert or cfg.d_ff
         dense += n_moe * (d * moe.n_experts + 3 * d * d_expert * moe.n_shared_experts)  # router, shared experts
-        experts = n_moe * (3 * d * d_expert * moe.n_experts // layout.ep)
+        experts = n_moe * (3 * d * d_expert * moe.n_experts // layout.dims.ep)
     w, b = _dense_mlp(cfg)
     dense += n_dense * ((w + b) // tp)
     if stage == 0:
         dense += cfg.vocab_size * cfg.d_model // tp
-    if stage == layout.pp - 1:
-        dense += cfg.d_model + (0 if cfg.tie_embeddings and layout.pp == 1 else cfg.vocab_size * cfg.d_model // tp)
+    if stage == layout.dims.pp - 1:
+        dense += cfg.d_model + (0 if cfg.tie_embeddings and layout.dims.pp == 1 else cfg.vocab_size * cfg.d_model // tp)
     return {"dense": dense, "experts": experts}
 
 
@@ -165,7 +134,7 @@ def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = F
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for kind, n in rank_params(cfg, layout, stage).items():
         states = memory.model_state_bytes(n, precision.param, precision.grad, master_bytes=0,
-                                          optimizer_bytes=precision.optimizer, zero=layout.zero,
+                                          optimizer_bytes=precision.optimizer, zero=layout.options.zero,
                                           dp=layout.replicas[kind])
         for part in out:
             out[part] += states[part]
@@ -196,7 +165,7 @@ def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1) -> float:
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int) -> float:
     """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each)."""
-    tp, d = layout.tp, cfg.d_model
+    tp, d = layout.dims.tp, cfg.d_model
     n = tokens
     sp = layout.sp_degree
     # Each region (attention, feed-forward) starts with a norm; its output is the region's input, which the first
@@ -214,8 +183,8 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
         attention = p * n * (3 * q + 2 * kv) + 4 * n * cfg.n_heads // tp
-        if layout.cp_impl == "allgather" and layout.cp > 1:  # keys and values of the whole sequence are kept
-            attention += 2 * p * n * kv * (layout.cp - 1)
+        if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
+            attention += 2 * p * n * kv * (layout.dims.cp - 1)
     if _is_moe_layer(cfg, layer):
         moe = cfg.moe
         k, e, d_expert = moe.top_k, moe.n_experts, moe.d_expert or cfg.d_ff
@@ -236,7 +205,7 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int)
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
     sp = layout.sp_degree
     return _norm_bytes(tokens, cfg.d_model, p, sp) + p * tokens * cfg.d_model + \
-        4 * tokens * cfg.vocab_size / layout.tp + 8 * tokens
+        4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
@@ -244,9 +213,10 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     """(activations held at the worst moment of a step, the recomputed block's transient) for pipeline rank
     `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
     p = precision.activation
-    tokens = micro_batch * seq_len // layout.cp
+    dims, options = layout.dims, layout.options
+    tokens = micro_batch * seq_len // dims.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
-    n_dense, n_moe = stage_kinds(cfg, layout.pp, layout.virtual_stages, stage)
+    n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage)
     first_moe = _first_moe_layer(cfg)
     per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
                 for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
@@ -256,9 +226,9 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
         transient = max(b for _, b in per_kind)
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
-    last = stage == layout.pp - 1
-    one_chunk_pass = kept / layout.virtual_stages
-    in_flight = chunks_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, stage)
+    last = stage == dims.pp - 1
+    one_chunk_pass = kept / options.virtual_stages
+    in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
     total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
     if stage == 0:
         total += 8 * tokens  # the embedding's token indices
@@ -271,7 +241,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
     the first holds the most layers (`chunk_layers` gives earlier chunks the extra ones), the embedding and the
     most micro-batches in flight; the last holds the head)."""
     if stage is None:
-        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.pp - 1}]
+        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.dims.pp - 1}]
         return max(stages, key=lambda e: e.total)
     states = model_state_bytes(cfg, layout, precision, stage)
     acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)

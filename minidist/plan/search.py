@@ -30,10 +30,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minidist.comm.topology import ParallelDims
 from minidist.flops import count_params
 from minidist.hardware import GIB, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
-from minidist.plan.rank_memory import BF16_MIXED, Layout, MemoryEstimate, Precision, estimate_memory
+from minidist.parallel.layout import Layout, ParallelOptions
+from minidist.plan.rank_memory import BF16_MIXED, MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
 from minidist.train.config import OneLineParser
 
@@ -50,7 +52,7 @@ class Candidate:
     time: StepTime
 
     def row(self) -> dict:
-        values = {**dataclasses.asdict(self.layout), "mem_gib": round(self.memory.total / GIB, 2),
+        values = {**self.layout.flat(), "mem_gib": round(self.memory.total / GIB, 2),
                   "step_s": round(self.time.total, 4)}
         return {key: values[key] for key in JSON_KEYS}
 
@@ -122,10 +124,12 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             if len(micro) < len(_divisors(per_replica)):
                 refused[f"pp={pp}: fewer micro-batches than stages (bubble over half the step)"] += 1
             for ep, zero, m, recompute in itertools.product(eps, range(4), micro, ("none", "full")):
+                dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                 virtual = [1] + [v for v in (2, 4, 8) if pp > 1 and m >= pp and cfg.n_layers % (pp * v) == 0]
                 for v in virtual:
-                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatches=m, virtual_stages=v,
-                                 recompute=recompute, sp=tp > 1, schedule="interleaved" if v > 1 else "1f1b")
+                    options = ParallelOptions(sequence_parallel=tp > 1, schedule="interleaved" if v > 1 else "1f1b",
+                                              microbatches=m, virtual_stages=v, zero=zero)
+                    yield Layout(dims, options, recompute)
 
 
 def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
@@ -140,28 +144,31 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     per_token = token_flops(cfg, seq_len)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
-        others = dataclasses.replace(layout, microbatches=1)
-        if layout.pp == 1 and fits_with.get(others, layout.microbatches) < layout.microbatches:
+        dims, m = layout.dims, layout.options.microbatches
+        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1))
+        if dims.pp == 1 and fits_with.get(others, m) < m:
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
-        micro_batch = sequences // (layout.dp * layout.microbatches)
+        micro_batch = sequences // (dims.dp * m)
         memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
         time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token)
         fits = memory.total <= budget
         (feasible if fits else rejected).append(Candidate(layout, memory, time))
-        if fits and layout.pp == 1:
-            fits_with.setdefault(others, layout.microbatches)
+        if fits and dims.pp == 1:
+            fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
     rejected.sort(key=lambda c: (c.time.total, c.memory.total))
     return Plan(feasible, rejected, refused, budget)
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
-    """The place (1 = fastest) of the fastest feasible layout with these degrees (e.g. dp=128, tp=8, pp=16) and
-    that layout; (None, the fastest rejected one) when none fits; (None, None) when the search has none."""
+    """The place (1 = fastest) of the fastest feasible layout with these settings (`Layout.of`'s flat names, e.g.
+    dp=128, tp=8, pp=16, zero=1) and that layout; (None, the fastest rejected one) when none fits; (None, None) when
+    the search has none."""
     def match(c: Candidate) -> bool:
-        return all(getattr(c.layout, k) == v for k, v in degrees.items())
+        flat = c.layout.flat()
+        return all(flat[k] == v for k, v in degrees.items())
     for i, c in enumerate(plan.feasible, 1):
         if match(c):
             return i, c
@@ -177,8 +184,9 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
 
 
 def describe_layout(lay: Layout) -> str:
-    text = f"dp {lay.dp} tp {lay.tp} pp {lay.pp} cp {lay.cp} ep {lay.ep} zero {lay.zero} m {lay.microbatches}"
-    return text + (f" v {lay.virtual_stages}" if lay.virtual_stages > 1 else "") + \
+    d, o = lay.dims, lay.options
+    text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} zero {o.zero} m {o.microbatches}"
+    return text + (f" v {o.virtual_stages}" if o.virtual_stages > 1 else "") + \
         (" recompute" if lay.recompute == "full" else "")
 
 
@@ -196,9 +204,9 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"{'recomp':>6} {'GiB':>7} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} {'ep':>6} "
              f"{'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
-        lay, t = c.layout, c.time
-        lines.append(f"{i:>3} {lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {lay.zero:>4} "
-                     f"{lay.microbatches:>4} {lay.virtual_stages:>2} {lay.recompute:>6} {c.memory.total / GIB:>7.1f} "
+        d, o, t = c.layout.dims, c.layout.options, c.time
+        lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} "
+                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>6} {c.memory.total / GIB:>7.1f} "
                      f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
                      f"{t.pp:>6.3f} {t.dp:>6.3f} {t.hidden:>7.3f}")
     if not plan.feasible:
@@ -207,7 +215,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
                  "overlaps compute; step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
     faster, seen = [], set()
     for c in plan.rejected:  # the fastest of each grid shape: three different reasons, not one reason thrice
-        shape = (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.ep)
+        shape = c.layout.dims
         if shape not in seen and len(faster) < 3:
             seen.add(shape)
             faster.append(c)

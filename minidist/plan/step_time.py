@@ -35,8 +35,9 @@ from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, m
 from minidist.hardware import Link, chip, collective_time, link_of, node_chips, peak_flops
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
+from minidist.parallel.layout import Layout
 from minidist.parallel.pp.schedules import bubble_formula
-from minidist.plan.rank_memory import Layout, Precision, busiest_stage_kinds, rank_params
+from minidist.plan.rank_memory import Precision, busiest_stage_kinds, rank_params
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of the dense peak a large training matmul reaches (MFU ~40% once comm is in)
 
@@ -109,9 +110,10 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
         total += (total - f.head) / 3  # one more forward of the blocks: a third of their training FLOPs
         moe *= 4 / 3
         attention *= 4 / 3
-    split = (total - moe) / layout.tp + moe
-    tokens = global_batch * seq_len / (layout.dp * layout.cp * layout.pp)  # one pipeline stage's share of a replica
-    return split * tokens, attention / layout.tp * tokens
+    dims = layout.dims
+    split = (total - moe) / dims.tp + moe
+    tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
+    return split * tokens, attention / dims.tp * tokens
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
@@ -120,39 +122,40 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     rate = cluster.peak_flops * cluster.efficiency
     flops, attention_flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     compute = flops / rate
-    m, v, p = layout.microbatches, layout.virtual_stages, precision.activation
-    b = global_batch // (layout.dp * m)  # sequences per micro-batch
-    tokens = b * seq_len // layout.cp  # per rank and micro-batch
-    dense_layers, moe_layers = busiest_stage_kinds(cfg, layout.pp, v)
+    dims = layout.dims
+    m, v, p = layout.options.microbatches, layout.options.virtual_stages, precision.activation
+    b = global_batch // (dims.dp * m)  # sequences per micro-batch
+    tokens = b * seq_len // dims.cp  # per rank and micro-batch
+    dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, v)
     n_layers = dense_layers + moe_layers
     again = 1 if layout.recompute == "full" else 0
 
     act = tokens * cfg.d_model * p
     tp = 0.0
-    if layout.tp > 1:
+    if dims.tp > 1:
         calls = (2 * dense_layers + moe_layers) * (2 + again)
-        tp = m * calls * collective_time("all_reduce", act, layout.tp, link_of(cluster, layout.tp))
+        tp = m * calls * collective_time("all_reduce", act, dims.tp, link_of(cluster, dims.tp))
     cp_exposed = cp_hidden = 0.0
-    if layout.cp > 1:
+    if dims.cp > 1:
         d_qk, d_v = attention_dims(cfg)
-        kv_heads = cfg.n_heads if cfg.attention == "mla" else max(cfg.n_kv_heads // layout.tp, 1)
+        kv_heads = cfg.n_heads if cfg.attention == "mla" else max(cfg.n_kv_heads // dims.tp, 1)
         kv = tokens * kv_heads * (d_qk + d_v) * p
-        one = (layout.cp - 1) * collective_time("send", kv, 2, link_of(cluster, layout.tp * layout.cp))
+        one = (dims.cp - 1) * collective_time("send", kv, 2, link_of(cluster, dims.tp * dims.cp))
         cp = m * n_layers * one * (3 + again)
         cp_exposed = max(0.0, cp - attention_flops / rate)
         cp_hidden = cp - cp_exposed
     ep = 0.0
-    if layout.ep > 1 and moe_layers:
+    if dims.ep > 1 and moe_layers:
         rows = tokens * cfg.moe.top_k * cfg.d_model * p
-        ep = m * moe_layers * (4 + 2 * again) * collective_time("all_to_all", rows, layout.ep,
-                                                                 link_of(cluster, layout.tp * layout.ep))
+        ep = m * moe_layers * (4 + 2 * again) * collective_time("all_to_all", rows, dims.ep,
+                                                                 link_of(cluster, dims.tp * dims.ep))
     pp = 0.0
-    if layout.pp > 1:
+    if dims.pp > 1:
         sp = layout.sp_degree
-        span = 2 * layout.tp * layout.cp * layout.dp
+        span = 2 * dims.tp * dims.cp * dims.dp
         pp = 2 * m * v * collective_time("send", act / sp, 2, link_of(cluster, span))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
-    bubble = bubble_formula(layout.schedule, layout.pp, m, v) if layout.pp > 1 else 0.0
+    bubble = bubble_formula(layout.options.schedule, dims.pp, m, v) if dims.pp > 1 else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep, pp, dp_exposed, dp_hidden + cp_hidden)
 
 
@@ -160,9 +163,9 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
                         compute: float) -> tuple[float, float]:
     """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups."""
     counts = rank_params(cfg, layout, 0)
-    span = layout.tp * layout.cp * layout.dp
+    span = layout.dims.tp * layout.dims.cp * layout.dims.dp
     groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
-    m, backward = layout.microbatches, 2 * compute / 3
+    m, backward, zero = layout.options.microbatches, 2 * compute / 3, layout.options.zero
     overlappable = exposed = 0.0
     for n, size in groups:
         if size == 1 or n == 0:
@@ -170,15 +173,15 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
         link = link_of(cluster, span)
         grads = n * precision.grad
         params = n * precision.param
-        if layout.zero == 0:
+        if zero == 0:
             overlappable += collective_time("all_reduce", grads, size, link)
         else:
-            repeat = m if layout.zero >= 2 else 1
+            repeat = m if zero >= 2 else 1
             overlappable += repeat * collective_time("reduce_scatter", grads, size, link)
-            if layout.zero == 3:
+            if zero == 3:
                 overlappable += 2 * m * collective_time("all_gather", params, size, link)
             else:
                 exposed += collective_time("all_gather", params, size, link)  # the updated parameters
-    window = compute if layout.zero == 3 else backward if layout.zero == 2 else backward / m
+    window = compute if zero == 3 else backward if zero == 2 else backward / m
     hidden = min(overlappable, window)
     return exposed + overlappable - hidden, hidden

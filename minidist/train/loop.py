@@ -42,7 +42,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
-from minidist.parallel import ParallelModel, ParallelOptions, StepLosses, parallelize
+from minidist.parallel import Layout, ParallelModel, StepLosses, parallelize
 from minidist.parallel import materialize as shard_build
 from minidist.train import metrics, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks
@@ -68,32 +68,31 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checked = preflight(cfg)  # before any process group: bad settings and layouts fail fast, in one line
     env, device = checked.env, checked.device
     # The process groups; on a failure each rank writes OUT/flight/ (a bad setting is no communication failure).
-    with joined(checked.dims, env, device, cfg.comm_timeout, Path(cfg.out),
+    with joined(checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out),
                 ignore=(ConfigError,)) as topo:
-        run = setup(cfg, env, topo, device)
+        run = setup(cfg, checked.layout, env, topo, device)
         resume(run)
         return train_loop(run)
 
 
-def setup(cfg: TrainConfig, env: DistEnv, topo: Topology, device: torch.device) -> Run:
+def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device: torch.device) -> Run:
+    """Everything a run holds, for `layout` (`preflight.resolve_layout`) on `topo` (its process groups)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
-    if cfg.recompute == "full":
+    if layout.recompute == "full":
         apply_recompute(model)
     if cfg.compile:
         compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
     autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
     counts = parameter_counts(model)
-    options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
-                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
-                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
     make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                        betas=(cfg.beta1, cfg.beta2))
-    parallel = parallelize(model, mcfg, topo, options, make_optimizer, shard_build.materializer(mcfg, cfg.seed, device))
+    parallel = parallelize(model, mcfg, topo, layout.options, make_optimizer,
+                           shard_build.materializer(mcfg, cfg.seed, device))
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,

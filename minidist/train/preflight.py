@@ -16,6 +16,7 @@ from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.parallel.cp import validate_context_parallel
 from minidist.parallel.ep.expert import validate_expert_parallel
+from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.parallel.pp.pipeline import validate_pipeline
 from minidist.parallel.tp.tensor import validate_tensor_parallel
 from minidist.train import run_dir
@@ -28,7 +29,7 @@ class Preflight:
     """What the checks established: this process's place in the job, the layout and the device."""
 
     env: DistEnv
-    dims: ParallelDims
+    layout: Layout
     device: torch.device
 
 
@@ -36,30 +37,35 @@ def preflight(cfg: TrainConfig) -> Preflight:
     """Every check that needs no process group, in the order a user fixes them; one ConfigError for the first."""
     check_config(cfg)
     env = DistEnv.detect()
-    dims = resolve_parallel_dims(cfg, env.world_size)
+    layout = resolve_layout(cfg, env.world_size)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
         faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
         device = pick_device(cfg.device, env)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return Preflight(env, dims, device)
+    return Preflight(env, layout, device)
 
 
-def resolve_parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    """The layout of this run, checked against the world size."""
+def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
+    """The layout of this run (the grid's degrees, how each dimension is applied, the recomputation), checked
+    against the world size and the model."""
     rest = cfg.tp * cfg.pp * cfg.cp
     dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
+    options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
+                              microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
+                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
     try:
-        dims = ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
-        dims.validate(world_size)
+        layout = Layout(ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep), options, cfg.recompute)
+        layout.dims.validate(world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    dims = layout.dims
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
                           f"{dims.dp}*{cfg.microbatches}; pick a multiple of {dims.dp * cfg.microbatches}")
     check_model_split(cfg, dims)
-    return dims
+    return layout
 
 
 def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:

@@ -12,8 +12,9 @@ from grading import load
 
 from minidist.comm.topology import ParallelDims, coordinates, group_ranks
 from minidist.model import get_preset
+from minidist.parallel import Layout
 from minidist.parallel.pp.schedules import build_schedule
-from minidist.plan.rank_memory import BF16_MIXED, FP32, Layout, model_state_bytes, rank_params
+from minidist.plan.rank_memory import BF16_MIXED, FP32, model_state_bytes, rank_params
 
 MODULE = "ch12_five_dimensions"
 CHAPTER_GRID = dict(dp=2, tp=2, pp=2, cp=2, ep=2)
@@ -65,7 +66,7 @@ def test_ch12_model_state_bytes(impl: str, precision) -> None:
     assert got["optimizer"] == 27000 and got["params"] == 10000, f"the docstring's example: got {got}"
     cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=2, first_dense_layers=1))
     for dp, cp, ep, tp, zero in [(4, 1, 2, 1, 1), (2, 2, 4, 2, 2), (8, 1, 8, 1, 3), (2, 1, 1, 2, 0)]:
-        layout = Layout(dp=dp, cp=cp, ep=ep, tp=tp, zero=zero)
+        layout = Layout.of(dp=dp, cp=cp, ep=ep, tp=tp, zero=zero)
         counts = rank_params(cfg, layout)
         want = model_state_bytes(cfg, layout, precision)
         got = model_state(counts["dense"], counts["experts"], dp * cp, ep, zero, precision.param, precision.grad,

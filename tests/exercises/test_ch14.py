@@ -45,7 +45,7 @@ def test_ch14_first_flagged_finds_each_museum_bug(impl: str) -> None:
     first_flagged = load(impl, MODULE, "first_flagged")
     reference = pr.run_local(pr.Setup())
     names = ("pipeline_missing_1_over_m", "token_vs_sample_mean")
-    setups = [pr.Setup(bug=n, label=n, **museum.BUGS[n].layout) for n in names]
+    setups = [pr.Setup(museum.BUGS[n].layout, bug=n, label=n) for n in names]
     for name, record in zip(names, pr.run_many(setups)):
         want = museum.expected_layer(name, list(reference["grads"]))[0]
         found = first_flagged(record["grads"], reference["grads"], tolerance.rel_tol("fp32", 1))
