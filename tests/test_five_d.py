@@ -32,7 +32,9 @@ MOE = dict(DENSE, moe={"n_experts": 4, "top_k": 2, "bias_update_speed": 0.05})
 
 
 @dataclass(frozen=True)
-class Layout:
+class TrainerCase:
+    """One trainer run of the matrix: a model kind and the TrainConfig settings of its layout."""
+
     kind: str  # "dense" or "moe"
     settings: dict = field(default_factory=dict)  # TrainConfig fields: dims, zero, schedule, sp, cp_impl, ...
     tied: bool = False  # tie_embeddings: the first and last stage each hold a copy
@@ -54,14 +56,14 @@ class Layout:
 
 MATRIX = [
     #      dims (> 1)                 ZeRO    schedule                          model
-    Layout("moe", dict(dp=2, tp=2, pp=2, ep=2, zero=1, schedule="1f1b")),
-    Layout("dense", dict(cp=2, tp=2, pp=2, sp=True, zero=3, schedule="interleaved", virtual_stages=2)),
-    Layout("moe", dict(dp=2, cp=2, ep=4, zero=2, cp_impl="allgather")),
-    Layout("moe", dict(dp=2, pp=2, ep=2, zero=3, schedule="afab"), tied=True),
+    TrainerCase("moe", dict(dp=2, tp=2, pp=2, ep=2, zero=1, schedule="1f1b")),
+    TrainerCase("dense", dict(cp=2, tp=2, pp=2, sp=True, zero=3, schedule="interleaved", virtual_stages=2)),
+    TrainerCase("moe", dict(dp=2, cp=2, ep=4, zero=2, cp_impl="allgather")),
+    TrainerCase("moe", dict(dp=2, pp=2, ep=2, zero=3, schedule="afab"), tied=True),
 ]
 
 
-def coverage(layouts: list[Layout]) -> set[tuple]:
+def coverage(layouts: list[TrainerCase]) -> set[tuple]:
     """What a set of layouts exercises: pairs of dimensions > 1 together, ZeRO stages, schedules, model kinds."""
     covered: set[tuple] = set()
     for layout in layouts:

@@ -20,6 +20,7 @@ from minidist.data.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
 from minidist.model.config import ALL_PRESETS
 from minidist.parallel.cp import IMPLS as CP_IMPLS
+from minidist.parallel.layout import RECOMPUTE
 from minidist.parallel.pp.schedules import SCHEDULES
 from minidist.precision import DTYPES
 from minidist.train.blocks import check_can_compile
@@ -371,9 +372,6 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
     if mcfg.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-
-
-RECOMPUTE = ("none", "full")
 
 
 def _check_choices(cfg: TrainConfig) -> None:
