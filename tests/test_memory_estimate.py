@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidist import memory
 from minidist.comm.launch import run_ranks
 from minidist.flops import count_params
 from minidist.memory import PeakSavedBytes
@@ -17,9 +18,9 @@ from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     TOLERANCE,
-    check_against_one_block,
     chunks_in_flight,
     estimate_memory,
+    layer_activation_bytes,
     model_state_bytes,
     rank_params,
 )
@@ -99,5 +100,7 @@ def test_1f1b_in_flight_is_p_minus_r(pp, m, expected):
 
 
 def test_dense_block_is_chapter_01s_count():
+    """The planner's dense GQA block equals chapter 01's tensor-by-tensor count (`activation_bytes_per_layer`)."""
     for dtype_bytes in (2, 4):
-        assert check_against_one_block(CFG, SEQ_LEN, 2, dtype_bytes)
+        mine = layer_activation_bytes(CFG, 0, SEQ_LEN * 2, Layout(), dtype_bytes)
+        assert mine == memory.activation_bytes_per_layer(CFG, SEQ_LEN, 2, dtype_bytes)["total"]

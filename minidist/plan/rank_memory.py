@@ -246,9 +246,3 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
     states = model_state_bytes(cfg, layout, precision, stage)
     acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient)
-
-
-def check_against_one_block(cfg: ModelConfig, seq_len: int, batch: int, dtype_bytes: int) -> bool:
-    """The dense GQA block here equals chapter 01's tensor-by-tensor count (`activation_bytes_per_layer`)."""
-    mine = layer_activation_bytes(cfg, 0, seq_len * batch, Layout(), dtype_bytes)
-    return mine == memory.activation_bytes_per_layer(cfg, seq_len, batch, dtype_bytes)["total"]
