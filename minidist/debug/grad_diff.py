@@ -11,7 +11,7 @@ largest is the loudest. The ratio ||got|| / ||want|| tells a mis-scaled gradient
 a missing 1/m) from a wrong one.
 
 The same comparison works for parameters (a wrong initial shard) and for what each parameter contributed to the
-gradient norm (`norm_contributions`: Σ ||g||² / copies over the ranks, computed the way `layout.grad_norm` computes
+gradient norm (`norm_contributions`: Σ ||g||² / copies over the ranks, computed the way `placement.grad_norm` computes
 it), which localizes a norm that counts a replica twice or forgets a pipeline stage.
 """
 

@@ -1,8 +1,8 @@
 """Parallelisms as transformations of a built model and a rank grid.
 
-`parallelize` (parallelize.py) is the one assembly: it applies tensor (tensor.py, vocab.py; chapter 08), context
-(context/; chapter 10), pipeline (pipeline.py, schedules.py; chapter 09) and data parallelism with ZeRO
-(data_parallel.py, zero.py; chapter 07) in one documented order and returns a `ParallelModel`, the object a
+`parallelize` (assembly.py) is the one assembly: it applies tensor (tp/; chapter 08), context (cp/; chapter 10),
+expert (ep/; chapter 11), pipeline (pp/; chapter 09) and data parallelism with ZeRO (dp/; chapter 07) in one
+documented order and returns a `ParallelModel`, the object a
 training loop talks to, for a layout described once (`layout.Layout`: the grid's `ParallelDims`, the
 `ParallelOptions` of each dimension, the recomputation). Every parameter records where it lives
 (`placement.Placement`), and the one gradient norm of the package (`placement.clip_grad_norm_`) reads it.

@@ -1,4 +1,4 @@
-"""What a rank really holds, measured by tensor accounting, to check the memory model (`memory_estimate`) against.
+"""What a rank really holds, measured by tensor accounting, to check the memory model (`rank_memory`) against.
 
 A CPU has no allocator counter like `torch.cuda.memory_allocated`, and its resident set size is dominated by the
 interpreter and torch itself, so the bytes are counted from the tensors:

@@ -3,7 +3,7 @@
 
 It searches the degrees dp, tp, pp, cp, ep (dp·tp·pp·cp = the GPUs; ep carved out of dp·cp), the ZeRO stage, the
 number of micro-batches, the virtual stages of the interleaved schedule and full recomputation. Memory per rank
-is `memory_estimate` (bf16 mixed precision: 2 + 2 + 12 bytes per parameter); step time is `plan_cost` (FLOPs at a
+is `rank_memory` (bf16 mixed precision: 2 + 2 + 12 bytes per parameter); step time is `step_time` (FLOPs at a
 stated fraction of the peak, the α-β model per dimension over NVLink or the network, the bubble, what overlaps).
 The rules that bound the search (each refused layout is counted with its reason):
 

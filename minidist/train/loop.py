@@ -42,8 +42,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
-from minidist.parallel import Layout, ParallelModel, StepLosses, parallelize
-from minidist.parallel import materialize as shard_build
+from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks
 from minidist.train.config import (
@@ -81,7 +80,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     random.seed(cfg.seed)
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
-    model = shard_build.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
+    model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     if layout.recompute == "full":
         apply_recompute(model)
     if cfg.compile:
@@ -92,7 +91,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     make_optimizer = functools.partial(build_optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                        betas=(cfg.beta1, cfg.beta2))
     parallel = parallelize(model, mcfg, topo, layout.options, make_optimizer,
-                           shard_build.materializer(mcfg, cfg.seed, device))
+                           materialize.materializer(mcfg, cfg.seed, device))
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,

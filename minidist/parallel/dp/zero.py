@@ -27,7 +27,7 @@ owns the r-th equal slice of each), from three parts:
 Bytes per step: reduce-scatter + all-gather = one all-reduce, as in plain data parallelism (stages 1-2, §7.2.1);
 stage 3 gathers the parameters twice per micro-batch: 1.5x (§7.2.2).
 
-Global-norm clipping uses the package's one gradient norm (`layout.clip_grad_norm_`): `grad_pieces()` are this
+Global-norm clipping uses the package's one gradient norm (`placement.clip_grad_norm_`): `grad_pieces()` are this
 rank's slices of the averaged gradient, disjoint over the dp_cp group, so their squares are summed over it
 (`norm_groups()`); a caller adds the groups its model is split over (tp, pp). At stage 0 every rank holds the
 same whole gradient: nothing to sum over dp_cp.
@@ -180,7 +180,7 @@ class ZeroOptimizer(GradSync):
         self.grads.finish_grad_sync()
 
     def grad_pieces(self) -> list[GradPiece]:
-        """This rank's averaged gradient as (tensor, placement) pieces for `layout.grad_norm`, after
+        """This rank's averaged gradient as (tensor, placement) pieces for `placement.grad_norm`, after
         `finish_grad_sync()`: each parameter's slice of the gradient shards (views, so scaling them in place scales
         what the optimizer step reads); at stage 0, each parameter's whole `.grad`."""
         if self.stage == 0:

@@ -10,7 +10,7 @@ the same model, each over its own parameters and group:
 
 `ExpertReplicas` holds the pair and answers what `ParallelModel` asks of a gradient reduction (a `GradSync`,
 minidist/parallel/grad_sync.py) and, under ZeRO, of an optimizer. The global gradient norm goes through the one
-norm function (`layout.grad_norm`): with whole gradients (no ZeRO) a dense gradient is the same on every ep rank
+norm function (`placement.grad_norm`): with whole gradients (no ZeRO) a dense gradient is the same on every ep rank
 and an expert gradient is not, so squares are summed over ep and each dense piece counts 1/ep (its placement's
 "ep" split says ep copies); under ZeRO every piece is a slice, disjoint over dp_cp (= ep × edp), so the squares
 are summed over dp_cp.

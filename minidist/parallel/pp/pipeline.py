@@ -9,7 +9,7 @@ Three pieces:
    model's own forward runs them (over a chunk's blocks, with or without the embedding and the head).
 2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.pp.schedules` (any schedule: the
    executor does not know which one it runs). Activations and gradients travel point to point through
-   `minidist.comm.communicator`, so the ledger sees every byte, in the steps `pipeline_p2p.p2p_program` plans: each a
+   `minidist.comm.communicator`, so the ledger sees every byte, in the steps `p2p.p2p_program` plans: each a
    batch that neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up.
    The last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
    counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every counted
@@ -241,7 +241,7 @@ class PipelineRunner:
     `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
     are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
     under bf16 autocast), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller reduces
-    them over data-parallel replicas, clips (`layout.clip_grad_norm_` over the tp and pp groups: each parameter's
+    them over data-parallel replicas, clips (`placement.clip_grad_norm_` over the tp and pp groups: each parameter's
     placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
     rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
     the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).

@@ -27,7 +27,7 @@ are identical over tp, with no communication (expert parallelism, chapter 11, sp
 sequence parallelism the layer runs on the gathered sequence (capacity and balance loss are per sequence), keeps its
 output slice, and all-gathers the output's gradient: every rank computes the same gradients again.
 
-Every parameter records its slice of the full tensor (`param.placement`: a `layout.Placement` with a "tp" `Split`);
+Every parameter records its slice of the full tensor (`param.placement`: a `placement.Placement` with a "tp" `Split`);
 the gradient norm and full tensors read it. The vocabulary split is in `minidist.parallel.tp.vocab`. This module
 holds the plan and applies it.
 """
