@@ -26,6 +26,7 @@ from minidist.comm.cost_model import alpha_beta_time
 GB = 1e9  # vendors' GB are 10^9 bytes
 GIB = 2**30
 
+
 @dataclass(frozen=True)
 class Link:
     """One GPU's share of an interconnect: bytes per second in one direction, and α in seconds per message step."""
@@ -83,8 +84,7 @@ class Chip:
 # chip whose `device_name` is part of the reported name wins, so the more specific names ("H100 NVL", "H100 PCIe")
 # come before the bare "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3").
 CHIPS: tuple[Chip, ...] = (
-    # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe.
-    # 80GB.
+    # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe. 80GB.
     Chip("A100", {"bf16": 312e12}, 80 * GIB, LINKS["nvlink3"], LINKS["ib-hdr200"], "A100"),
     # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 NVL (per GPU of the pair): 1,671 TFLOPS with sparsity ->
     # 835 dense (lower clocks, 400 W). 94GB.
