@@ -6,7 +6,8 @@
 Each bug patches the package's real code path (a function or method swapped in place, `unittest.mock.patch`
 style) and never changes a default: outside the block the package is what it always is. There is no trainer flag
 for any of them. Every exhibit records what it is, where it lives, the layout that shows it, the check that catches
-it and the parameters a layer-by-layer diff must point at (`layer`, a regular expression on parameter names).
+it and the parameters a layer-by-layer diff must point at (`layer`, a regular expression on parameter names): the
+catalogue is data (museum.toml, next to this file), each exhibit's patch is code (`PATCHES`).
 
 The bugs are well-known classes, described here in our own words; the course's issue #18 gathered them from public
 threads (pytorch#118369, nanotron#115 and #209, Megatron-LM#1736 and #1754). The exhibits are re-creations on this
@@ -23,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -146,46 +149,34 @@ def _sample_mean() -> contextlib.AbstractContextManager:
     return stack
 
 
-BUGS: dict[str, Bug] = {b.name: b for b in [
-    Bug("no_sync_never_synced", "gradients never averaged under accumulation",
-        "Accumulation with no_sync around every micro-batch, the last one included: the reduction that should "
-        "follow the last backward never runs, and each replica steps on the gradient of its own rows.",
-        "parallel/dp/data_parallel.py (AllReduceGrads: the bucket all-reduce)", Layout.of(dp=2, microbatches=2),
-        check="replicas", diff="grads", layer=r".*", patch=_never_synced),
-    Bug("pipeline_missing_1_over_m", "a missing 1/m in the pipeline loss",
-        "The last stage scales each micro-batch's loss sum by 1 / (its own tokens) instead of 1 / (the global "
-        "batch's): the gradient is m times too large. Clipping and Adam hide it from the loss curve.",
-        "parallel/pp/pipeline.py (PipelineRunner.step's loss_scale)", Layout.of(pp=2, microbatches=2),
-        check="grad_norm", diff="grads", layer=r".*", patch=_pipeline_without_1_over_m),
-    Bug("grad_norm_tp_replicas", "replicated weights counted once per tp rank in the grad norm",
-        "The global norm sums squares over the tp group without dividing a replicated parameter (the RMSNorm "
-        "weights) by its number of copies: the norm is too large and every step is clipped too hard.",
-        "parallel/placement.py (grad_norm: Placement.copies)", Layout.of(tp=2),
-        check="grad_norm", diff="contributions", layer=r"norm\.weight$", patch=_norm_counts_tp_replicas),
-    Bug("grad_norm_one_stage", "the grad norm over one pipeline stage only",
-        "Each pipeline stage clips by the norm of its own parameters: the stages disagree on the norm and none "
-        "of them has the model's.",
-        "parallel/assembly.py (ParallelModel.grad_pieces: the groups the norm sums over)", Layout.of(pp=2),
-        check="grad_norm", diff="contributions", layer=r"^(blocks\.1\.|norm\.|lm_head\.)",
-        patch=_norm_over_one_stage),
-    Bug("tp_init_per_rank_rng", "tp random state drifting apart",
-        "Each tp rank draws its shards from its own random state (seed + rank) instead of slicing the one "
-        "(seed, name) init: every shard has the right scale, but the full tensor is not the one-process one.",
-        "parallel/tp/tensor.py (apply_tensor_parallel's shards)", Layout.of(tp=2),
-        check="params", diff="params", layer=r"^(?!.*norm\.weight$)", patch=_tp_init_per_rank_rng),
-    Bug("vocab_padded_inconsistently", "a vocabulary padded inconsistently",
-        "The embedding table is padded to a multiple of 320 rows before it is cut into tp slices, the output "
-        "layer is not: rank 1's slice starts 32 rows late. The stdlib corpus has no byte >= 128, so no loss moves; "
-        "the first non-ASCII byte reads a wrong row.",
-        "parallel/tp/tensor.py + parallel/tp/vocab.py (the vocabulary slices)", Layout.of(tp=2),
-        check="params", diff="params", layer=r"^tok_emb\.weight$", patch=_vocab_padded_inconsistently),
-    Bug("token_vs_sample_mean", "token-mean vs sample-mean loss",
-        "Each micro-batch's loss is its own token mean and the step's loss the mean of those means: a "
-        "micro-batch with a long masked prompt weighs as much as a full one. Equal to the token mean only when "
-        "every micro-batch counts the same number of targets.",
-        "parallel/assembly.py (the loss normalization)", Layout.of(dp=2),
-        check="grads", diff="grads", layer=r".*", patch=_sample_mean),
-]}
+# ---------------------------------------------------------------------------------------------------------------
+# The catalogue (museum.toml, data) and its patches (code)
+# ---------------------------------------------------------------------------------------------------------------
+
+PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "no_sync_never_synced": _never_synced,
+    "pipeline_missing_1_over_m": _pipeline_without_1_over_m,
+    "grad_norm_tp_replicas": _norm_counts_tp_replicas,
+    "grad_norm_one_stage": _norm_over_one_stage,
+    "tp_init_per_rank_rng": _tp_init_per_rank_rng,
+    "vocab_padded_inconsistently": _vocab_padded_inconsistently,
+    "token_vs_sample_mean": _sample_mean,
+}
+
+
+CATALOGUE = Path(__file__).with_name("museum.toml")
+
+
+def read_catalogue(path: Path = CATALOGUE) -> dict[str, Bug]:
+    """The exhibits of `path` in their order there, each with its patch; a ValueError names a mismatch."""
+    entries = tomllib.loads(path.read_text())
+    if set(entries) != set(PATCHES):
+        raise ValueError(f"{path.name} and PATCHES disagree: {sorted(set(entries) ^ set(PATCHES))}")
+    return {name: Bug(name, e["title"], e["description"], e["lives_in"], Layout.of(**e["layout"]), e["check"],
+                      e["diff"], e["layer"], PATCHES[name]) for name, e in entries.items()}
+
+
+BUGS: dict[str, Bug] = read_catalogue()
 
 
 @contextlib.contextmanager
