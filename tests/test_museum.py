@@ -81,3 +81,11 @@ def test_every_exhibit_names_modules_that_exist() -> None:
     for bug in museum.BUGS.values():
         named = re.findall(r"[a-z_/]+\.py", bug.lives_in)
         assert named and all((package / path).is_file() for path in named), (bug.name, bug.lives_in)
+
+
+def test_a_catalogue_without_its_patch_is_refused(tmp_path) -> None:
+    """museum.toml and the patches must name the same exhibits: an entry without code is refused, by name."""
+    extra = museum.CATALOGUE.read_text() + '\n[no_such_bug]\ntitle = "x"\n'
+    (tmp_path / "museum.toml").write_text(extra)
+    with pytest.raises(ValueError, match="no_such_bug"):
+        museum.read_catalogue(tmp_path / "museum.toml")
