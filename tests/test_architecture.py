@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 from functools import cache
 from pathlib import Path
@@ -40,6 +41,16 @@ COMMUNICATION = {
     "recv_object_list",
 }
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 450, 60, 8
+
+# The torch.distributed names the package and the notebooks may use: each exists in torch 2.11, the oldest torch
+# pyproject.toml admits (the CUDA torch a GPU node may already have). A new name joins this list only after a look
+# at 2.11: `all_gather_single` and `reduce_scatter_single`, for one, arrived in 2.13.
+TORCH_2_11_DISTRIBUTED = {
+    "GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "TCPStore", "Work", "all_gather_into_tensor", "all_reduce",
+    "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "destroy_process_group",
+    "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv", "is_available",
+    "is_initialized", "isend", "new_group", "recv", "reduce_scatter_tensor", "send",
+}
 
 
 def module_name(path: Path) -> str:
@@ -171,6 +182,37 @@ def test_the_communication_check_sees_each_spelling() -> None:
     found = sorted(name for _, name in distributed_calls(ast.parse(code)))
     assert found == sorted(["torch.distributed.all_reduce", "dist.barrier", "torch.distributed.send",
                             "d2.all_gather_into_tensor"]), found
+
+
+def distributed_names(tree: ast.Module) -> set[str]:
+    """Every name taken from torch.distributed: `dist.X` attributes and `from torch.distributed import X`."""
+    aliases = {"torch.distributed", "dist"}
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            names |= {a.name for a in node.names}
+    return names | {node.attr for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and ast.unparse(node.value) in aliases}
+
+
+def notebook_code(path: Path) -> str:
+    cells = json.loads(path.read_text())["cells"]
+    source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("!", "%")))
+
+
+def test_every_torch_distributed_name_exists_in_torch_2_11() -> None:
+    trees = {path.relative_to(ROOT): tree for path, tree in sources().values()}
+    trees |= {p.relative_to(ROOT): ast.parse(notebook_code(p)) for p in sorted((ROOT / "notebooks").glob("*.ipynb"))}
+    newer = {f"{path}: dist.{name}" for path, tree in trees.items()
+             for name in distributed_names(tree) - TORCH_2_11_DISTRIBUTED}
+    assert not newer, "torch.distributed names outside the torch 2.11 list (a GPU node's torch may lack them; " \
+                      "use what 2.11 has, e.g. all_gather_into_tensor / reduce_scatter_tensor):\n" + \
+                      "\n".join(sorted(newer))
+    sample = ast.parse("import torch.distributed as dist\ndist.all_gather_single(out, x)\n")
+    assert distributed_names(sample) - TORCH_2_11_DISTRIBUTED == {"all_gather_single"}  # the check can fail
 
 
 def test_modules_and_functions_stay_small() -> None:

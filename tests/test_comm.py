@@ -94,7 +94,7 @@ def comm_cases() -> list[tuple]:
 
                 # Even all-gather against torch's.
                 gathered = x.new_empty((p * shape[0], *shape[1:]))
-                dist.all_gather_single(gathered, x, group=group)
+                dist.all_gather_into_tensor(gathered, x, group=group)
                 check("ring", f"all_gather {tag}", ring_all_gather(x, comm), gathered)
 
                 y = x.clone()

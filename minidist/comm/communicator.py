@@ -269,7 +269,7 @@ class Comm:
             out.copy_(tensor.reshape(out.shape))
             return self._finish(None, out, async_op)
         self._record("all_gather", tensor)
-        work = dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
+        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group, async_op=True)
         return self._finish(work, out, async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor | None = None, op: str = "sum",
@@ -288,7 +288,7 @@ class Comm:
             out.copy_(tensor)
             return self._finish(None, out, async_op)
         self._record("reduce_scatter", tensor, detail=op)
-        work = dist.reduce_scatter_single(out, tensor.contiguous(), op=reduce_op, group=self.group, async_op=True)
+        work = dist.reduce_scatter_tensor(out, tensor.contiguous(), op=reduce_op, group=self.group, async_op=True)
         after = (lambda: out.div_(self.size)) if op == "avg" else None
         return self._finish(work, out, async_op, after)
 
