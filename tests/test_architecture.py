@@ -148,21 +148,28 @@ def test_no_import_cycle() -> None:
             pytest.fail("import cycle: " + " -> ".join(cycle), pytrace=False)
 
 
-def distributed_calls(tree: ast.Module) -> list[tuple[int, str]]:
-    """(line, name) of every torch.distributed communication call or import of one."""
-    aliases = {"torch.distributed"}
+def distributed_uses(tree: ast.Module, aliases: tuple[str, ...] = ("torch.distributed",)) -> list[tuple[int, str, str]]:
+    """(line, as written, name) of every name taken from torch.distributed: attributes of the module under any of
+    its names (`import torch.distributed as dist`, `from torch import distributed`) and `from torch.distributed
+    import X`."""
+    names = set(aliases)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+            names |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
         elif isinstance(node, ast.ImportFrom) and node.module == "torch" and not node.level:
-            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
-    found = []
+            names |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    uses = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in COMMUNICATION and ast.unparse(node.value) in aliases:
-            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in names:
+            uses.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}", node.attr))
         elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
-            found += [(node.lineno, f"torch.distributed.{a.name}") for a in node.names if a.name in COMMUNICATION]
-    return found
+            uses += [(node.lineno, f"torch.distributed.{a.name}", a.name) for a in node.names]
+    return uses
+
+
+def distributed_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of every torch.distributed communication call or import of one."""
+    return [(line, written) for line, written, name in distributed_uses(tree) if name in COMMUNICATION]
 
 
 def test_every_byte_goes_through_comm() -> None:
@@ -185,16 +192,8 @@ def test_the_communication_check_sees_each_spelling() -> None:
 
 
 def distributed_names(tree: ast.Module) -> set[str]:
-    """Every name taken from torch.distributed: `dist.X` attributes and `from torch.distributed import X`."""
-    aliases = {"torch.distributed", "dist"}
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
-            names |= {a.name for a in node.names}
-    return names | {node.attr for node in ast.walk(tree)
-                    if isinstance(node, ast.Attribute) and ast.unparse(node.value) in aliases}
+    """Every name taken from torch.distributed (`dist` counts as its alias even where a cell imported it)."""
+    return {name for _, _, name in distributed_uses(tree, ("torch.distributed", "dist"))}
 
 
 def notebook_code(path: Path) -> str:

@@ -322,7 +322,7 @@ class ParallelModel:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors of the model states this rank holds: "params" (the parameters; ZeRO's flat buffers and
         shards) and "grads" (`.grad`; the reduction's buckets and gradient shards). Views of one storage repeat:
-        count storages (`minidist.parallel.dp.zero_bytes.storage_bytes`). Optimizer state: `optimizers()`."""
+        count storages (`minidist.memory.storage_bytes`). Optimizer state: `optimizers()`."""
         params = list(self.model.parameters())
         held = self._grad_sync.held_tensors()
         return {"params": [p.data for p in params] + held["params"],

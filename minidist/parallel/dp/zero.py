@@ -294,8 +294,7 @@ class ZeroOptimizer(GradSync):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The flat parameter buffers and shards, and the gradient buckets and shards (stage 0: the buckets)."""
-        grads = [t for b in self.buckets for t in (b.grad, b.grad_shard) if t is not None]
-        return {"params": self.params.buffers(), "grads": grads}
+        return {"params": self.params.buffers(), "grads": self.grads.held_tensors()["grads"]}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the model states this rank holds right now: parameters, gradients, optimizer state.
@@ -304,9 +303,9 @@ class ZeroOptimizer(GradSync):
         is the honest measure: the process's resident memory also holds the interpreter, torch's libraries and
         freed-but-cached pages, and has no per-tensor accounting like torch.cuda.memory_allocated.
         """
-        params = [p.data for _, p in self.named] + self.params.buffers()
-        grads = [p.grad for _, p in self.named]
-        grads += [b.grad for b in self.buckets] + [b.grad_shard for b in self.buckets]
+        held = self.held_tensors()
+        params = [p.data for _, p in self.named] + held["params"]
+        grads = [p.grad for _, p in self.named] + held["grads"]
         optimizer = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(optimizer)}
 
