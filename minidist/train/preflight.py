@@ -14,6 +14,7 @@ import torch
 
 from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
+from minidist.comm.torch_support import check_torch
 from minidist.parallel.cp import validate_context_parallel
 from minidist.parallel.ep.expert import validate_expert_parallel
 from minidist.parallel.layout import Layout, ParallelOptions
@@ -36,6 +37,10 @@ class Preflight:
 def preflight(cfg: TrainConfig) -> Preflight:
     """Every check that needs no process group, in the order a user fixes them; one ConfigError for the first."""
     check_config(cfg)
+    try:
+        check_torch()  # a node's own torch may be older than what the package calls
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     env = DistEnv.detect()
     layout = resolve_layout(cfg, env.world_size)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
