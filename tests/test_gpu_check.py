@@ -21,12 +21,30 @@ def test_gpu_configs_parse_and_fit_their_gpu_count(path, world):
     assert dims.dp * dims.tp * dims.pp * dims.cp == world and cfg.dtype == "auto"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_gpu_check_cpu_path_runs(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out",
-                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=230)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "parity ok" in result.stdout and "gpu_check: all checks passed" in result.stdout
-    assert "dense-1b:" in result.stdout and "tokens/s" in result.stdout and "peak memory" in result.stdout
+                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=290)
+    out = result.stdout
+    assert result.returncode == 0, out[-2000:] + result.stderr[-2000:]
+    assert "torch check ok" in out and "sdpa MATH                 ok" in out and "comm gloo world 1 on cpu: ok" in out
+    assert out.count("parity ok") == 2 and "checkpoint round trip" in out and "gpu_check: all checks passed" in out
+    for variant in ("eager", "recompute"):
+        assert f"dense-1b {variant}:" in out
+    assert "tokens/s" in out and "peak memory" in out
     assert (tmp_path / "tiny-device" / "metrics.jsonl").exists() and (tmp_path / "tiny-cpu" / "metrics.jsonl").exists()
+    assert (tmp_path / "tiny-resumed" / "checkpoints").is_dir()
+
+
+def test_the_loss_comparison_fails_on_a_gap(tmp_path):
+    """The script's parity verdict can fail: a run whose losses drift past the tolerance, or that has fewer steps."""
+    for name, losses in (("a", [2.0, 1.9, 1.8]), ("b", [2.0, 1.9, 1.81]), ("c", [2.0, 1.9])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "loss": {x}}}\n'
+                                                                for i, x in enumerate(losses)))
+    compare = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "compare", str(tmp_path / "a")]
+    assert subprocess.run([*compare, str(tmp_path / "b"), "0.02"], capture_output=True).returncode == 0
+    failed = subprocess.run([*compare, str(tmp_path / "b"), "0.001"], capture_output=True, text=True)
+    assert failed.returncode == 1 and "parity FAILED" in failed.stdout and "1.00e-02" in failed.stdout
+    assert subprocess.run([*compare, str(tmp_path / "c"), "1"], capture_output=True).returncode == 1
