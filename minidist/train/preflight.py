@@ -36,7 +36,10 @@ class Preflight:
 def preflight(cfg: TrainConfig) -> Preflight:
     """Every check that needs no process group, in the order a user fixes them; one ConfigError for the first."""
     check_config(cfg)
-    env = DistEnv.detect()
+    try:  # torchrun's or srun's variables: a place that does not fit, or srun without MASTER_ADDR/PORT
+        env = DistEnv.detect()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     layout = resolve_layout(cfg, env.world_size)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
