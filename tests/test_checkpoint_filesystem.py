@@ -18,7 +18,7 @@ import torch.distributed as dist
 from minidist.comm.launch import run_ranks
 from minidist.train import checkpoint, run_dir
 from minidist.train import loop as train
-from minidist.train.config import ConfigError, TrainConfig
+from minidist.train.config import ConfigError, TrainConfig, parse_config
 
 COMM_TIMEOUT_S = 3
 SLOW_S = 5  # more than COMM_TIMEOUT_S, less than the checkpoint's timeout
@@ -79,3 +79,9 @@ def test_a_slow_checkpoint_write_is_not_a_timeout(results, tmp_path_factory):
         assert result["slow"]["seconds"] > SLOW_S  # the slow rank really held the others at the barrier
     root = next(Path(p) for p in tmp_path_factory.getbasetemp().glob("fs*"))
     assert checkpoint.latest_step(root / "slow" / "checkpoints") == 2
+
+
+def test_ckpt_timeout_is_checked_before_anything_starts():
+    assert parse_config(["--ckpt-timeout", "90"]).ckpt_timeout == 90
+    with pytest.raises(ConfigError, match="ckpt_timeout must be > 0 seconds, got 0"):
+        parse_config(["--ckpt-timeout", "0"])
