@@ -1,17 +1,29 @@
 # Two commands on a fresh machine with Python 3.11 and make:  `make train`  and  `make test`.
+# On a GPU node whose Python already has a CUDA torch (>= pyproject.toml's floor):  make train PYTHON=python
+# keeps that torch: the venv sees the node's packages and pip is held to the installed torch by a constraint.
+# Otherwise (the course machines, CI) a fresh venv gets the CPU wheel below.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CONSTRAINT := $(VENV)/torch-constraint.txt
 
 .PHONY: train test test-fast lab grade book lint clean-venv
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@node_torch=$$($(PYTHON) scripts/node_torch.py); \
+	if [ -n "$$node_torch" ]; then \
+		echo "keeping $(PYTHON)'s torch $$node_torch (venv with --system-site-packages, pip held to it)"; \
+		test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
+		echo "torch==$$node_torch" > $(CONSTRAINT); \
+	else \
+		test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+		: > $(CONSTRAINT); \
+	fi
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	@test -s $(CONSTRAINT) || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev,bench]" -c $(CONSTRAINT)
 	@touch $(STAMP)
 
 # A demo: --overwrite replaces the previous `make train` run in runs/tiny, so it can be run again and again.

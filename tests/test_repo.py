@@ -2,7 +2,10 @@
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -116,3 +119,67 @@ def test_torch_installs_agree_with_the_accepted_range():
     make_pins = re.findall(r"pip install --quiet torch==([\d.]+)", (ROOT / "Makefile").read_text())
     assert env.startswith("torch==") and make_pins == [env[len("torch=="):]]
     assert tuple(int(x) for x in make_pins[0].split(".")) >= minimum
+
+
+# A stand-in interpreter: `node_torch.py` answers $NODE_TORCH, `-m venv [--system-site-packages] DIR` makes DIR with a
+# copy of itself as DIR/bin/python; every call is logged. The Makefile's install runs for real, without pip.
+_STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$STUB_LOG"
+if [ "$1" = scripts/node_torch.py ]; then echo "$NODE_TORCH"; exit 0; fi
+if [ "$1 $2" = "-m venv" ]; then dir="${@: -1}"; mkdir -p "$dir/bin"; cp "$0" "$dir/bin/python"; fi
+"""
+
+
+def _make_install(tmp_path: Path, node_torch: str) -> tuple[list[str], str]:
+    work = tmp_path / "repo"
+    work.mkdir()
+    for name in ("Makefile", "pyproject.toml"):
+        (work / name).write_text((ROOT / name).read_text())
+    stub, log = tmp_path / "node-python", tmp_path / "calls.log"
+    stub.write_text(_STUB)
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "STUB_LOG": str(log), "NODE_TORCH": node_torch}
+    subprocess.run(["make", "--no-print-directory", f"PYTHON={stub}", ".venv/.installed"], cwd=work, env=env,
+                   check=True, capture_output=True, text=True)
+    return log.read_text().splitlines(), (work / ".venv" / "torch-constraint.txt").read_text()
+
+
+def test_make_keeps_a_gpu_nodes_torch(tmp_path):
+    """A Python whose torch satisfies the floor (scripts/node_torch.py says which): a venv that sees it, and pip
+    held to that exact version; the CPU wheel is never installed over it."""
+    calls, constraint = _make_install(tmp_path, "2.12.0+cu128")
+    assert "node-python -m venv --system-site-packages .venv" in calls
+    assert constraint == "torch==2.12.0+cu128\n"
+    assert "python -m pip install --quiet -e .[dev,bench] -c .venv/torch-constraint.txt" in calls
+    assert not any("torch==" in call for call in calls)
+
+
+def test_make_installs_the_cpu_wheel_without_a_node_torch(tmp_path):
+    """The course machines and CI: a fresh venv (not the system's packages) with the pinned CPU wheel."""
+    calls, constraint = _make_install(tmp_path, "")
+    assert "node-python -m venv .venv" in calls and constraint == ""
+    assert "python -m pip install --quiet torch==2.13.0" in calls
+    assert calls[-1] == "python -m pip install --quiet -e .[dev,bench] -c .venv/torch-constraint.txt"
+
+
+def _fake_torch(tmp_path: Path, version: str | None) -> dict:
+    if version is not None:
+        (tmp_path / "torch").mkdir()
+        (tmp_path / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+
+@pytest.mark.parametrize("version, kept", [("2.12.0+cu128", True), ("2.11.0", True), ("2.13.0a0+git1234", True),
+                                           ("2.10.1+cu126", False), (None, False)])
+def test_node_torch_reports_a_torch_the_package_accepts(tmp_path, version, kept):
+    """pyproject's floor decides; without torch (or with an older one) the answer is empty: install the wheel."""
+    no_site = ["-S"] if version is None else []  # no torch at all: hide the real one in site-packages too
+    out = subprocess.run([sys.executable, *no_site, str(ROOT / "scripts" / "node_torch.py")],
+                         env=_fake_torch(tmp_path, version), capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (version if kept else "")
+
+
+def test_install_without_make_holds_pip_to_the_installed_torch():
+    script = (ROOT / "scripts" / "install_gpu_node.sh").read_text()
+    assert "scripts/node_torch.py" in script and 'echo "torch==$version" > "$constraint"' in script
+    assert 'pip install -e ".[dev]" -c "$constraint"' in script

@@ -150,10 +150,13 @@ class Topology:
     `timeout`: how long any collective of the groups made here may wait for a peer before it raises (None: torch's
     default, 30 min under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
     `recorder`: the flight recorder every `comm()` records into (None: no recording).
+    `ckpt_timeout`: when given, one more group over every rank with this timeout (`checkpoint_comm`), for the
+    barriers that wait while ranks write and hash files: a slow filesystem must not hit the collectives' timeout.
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int,
-                 timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None) -> None:
+                 timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None,
+                 ckpt_timeout: datetime.timedelta | None = None) -> None:
         dims.validate(world_size)
         if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
             actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
@@ -177,6 +180,9 @@ class Topology:
                         self._groups[name] = group
                 else:
                     self._groups[name] = None
+        # After the grid's groups, in the same order on every rank (new_group is collective).
+        self._checkpoint_group = dist.new_group(list(range(world_size)), timeout=ckpt_timeout) \
+            if world_size > 1 and ckpt_timeout is not None else self._groups["world"]
 
     @classmethod
     def from_env(cls, dims: ParallelDims) -> Topology:
@@ -207,6 +213,10 @@ class Topology:
     def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
         """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
         return Comm(self.group(name), ledger, name=name, recorder=self.recorder)
+
+    def checkpoint_comm(self) -> Comm:
+        """A `Comm` over every rank whose timeout is the checkpoint's (`ckpt_timeout`; the world's without one)."""
+        return Comm(self._checkpoint_group, name="checkpoint", recorder=self.recorder)
 
     @property
     def pp_prev_rank(self) -> int | None:

@@ -97,6 +97,7 @@ class TrainConfig:
     # trust nothing (minidist.trust.replicas, minidist.trust.faults)
     check_every: int = 50  # compare replicas every N steps, at every checkpoint, at resume and at the end
     comm_timeout: float = 300.0  # seconds a collective may wait for a peer before the job stops
+    ckpt_timeout: float = 1800.0  # seconds the barriers around writing and reading checkpoints wait for a peer
     inject_fault: str | None = None  # a fault drill: bitflip:STEP:RANK[:NAME]
 
 
@@ -148,6 +149,8 @@ FLAGS: list[tuple[str, str]] = [
     ("--check-every", "compare the replicas' parameters and buffers (hashes) every N steps, at checkpoints, at "
                       "resume and at the end (0: only those)"),
     ("--comm-timeout", "seconds any collective waits for a peer before the job stops, naming the group"),
+    ("--ckpt-timeout", "seconds the barriers around a checkpoint's files (each rank writes and hashes its own, "
+                       "then waits for the others) wait for a peer: a slow filesystem, not a hung rank"),
     ("--inject-fault", "fault drill: bitflip:STEP:RANK[:NAME] flips one mantissa bit of one parameter on RANK "
                        "after step STEP"),
 ]
@@ -358,8 +361,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
     if cfg.max_bytes is not None and cfg.max_bytes < 1:
         raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
-    if cfg.comm_timeout <= 0:
-        raise ConfigError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    for key in ("comm_timeout", "ckpt_timeout"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0 seconds, got {getattr(cfg, key)}")
 
 
 def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:

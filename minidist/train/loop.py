@@ -68,7 +68,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     env, device = checked.env, checked.device
     # The process groups; on a failure each rank writes OUT/flight/ (a bad setting is no communication failure).
     with joined(checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out),
-                ignore=(ConfigError,)) as topo:
+                ignore=(ConfigError,), ckpt_timeout_s=cfg.ckpt_timeout) as topo:
         run = setup(cfg, checked.layout, env, topo, device)
         resume(run)
         return train_loop(run)
@@ -99,6 +99,10 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     run.info = describe_run(run, corpus, counts)
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
                         barrier=run.barrier)
+    if env.world_size > 1:
+        if run.is_main and device.type == "cuda":  # where NCCL's watchdog writes its record (bootstrap.joined)
+            (run.out / "flight").mkdir(exist_ok=True)
+        run_dir.check_shared(run.out, topo.checkpoint_comm(), device)  # before a checkpoint depends on it
     return run
 
 
@@ -264,13 +268,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_config(argv))
     except ConfigError as e:
-        if DistEnv.detect().rank == 0:  # every rank sees the same bad setting; say it once
+        if _rank() == 0:  # every rank sees the same bad setting; say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
-        if (line := health.stop_reason(e, DistEnv.detect().rank)) is None:
+        if (line := health.stop_reason(e, _rank())) is None:
             raise  # a bug: keep its traceback
         print(f"error: {line}", file=sys.stderr)
         return 1
     return 0
 
+
+def _rank() -> int:
+    """This process's rank for an error message; 0 when the launcher's variables are themselves the error."""
+    try:
+        return DistEnv.detect().rank
+    except ValueError:
+        return 0

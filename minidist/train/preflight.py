@@ -39,9 +39,9 @@ def preflight(cfg: TrainConfig) -> Preflight:
     check_config(cfg)
     try:
         check_torch()  # a node's own torch may be older than what the package calls
+        env = DistEnv.detect()  # torchrun's or srun's variables: a place that does not fit, srun without MASTER_ADDR
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    env = DistEnv.detect()
     layout = resolve_layout(cfg, env.world_size)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:

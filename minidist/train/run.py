@@ -49,10 +49,11 @@ class Run:
 
     @property
     def barrier(self) -> Callable[[], None] | None:
-        """A barrier of all ranks (the checkpoint's steps wait on it); None on one process."""
+        """A barrier of all ranks around file work (OUT, the checkpoint's steps), bounded by --ckpt-timeout: a rank
+        still writing on a slow filesystem is not a hung rank. None on one process."""
         if self.env.world_size == 1:
             return None
-        return functools.partial(self.topo.comm("world").barrier, self.device)
+        return functools.partial(self.topo.checkpoint_comm().barrier, self.device)
 
     def log(self, text: str) -> None:
         if self.is_main:

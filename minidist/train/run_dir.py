@@ -5,21 +5,33 @@ refused (one line) unless it says what to do with the old one: `--resume` contin
 `--overwrite` removes the trainer's own files only (RUN_FILES); anything else in OUT (notes, data, other
 programs' outputs) stays. `check_out` runs on every rank before anything is built; `prepare_out` then waits for
 all ranks (so none checks an OUT that rank 0 is already changing) and, on rank 0, clears and creates OUT.
+
+Several ranks share OUT: rank 0 creates each checkpoint's directory, every rank writes its file into it, rank 0
+reads every rank's note. That needs one filesystem every node sees (NFS, Lustre, GPFS; not a node's local disk),
+an assumption `check_shared` turns into a check, when OUT is first prepared, instead of a failure mid-checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from minidist.comm.communicator import Comm
 from minidist.train import checkpoint
 from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
 RUN_FILES = (*RUN_MARKERS, "loss.png", "flight")  # what the trainer writes, and all that --overwrite removes
+HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
+SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
 
 
 def check_out(cfg: TrainConfig) -> None:
@@ -79,3 +91,47 @@ def clear_run(out: Path) -> list[str]:
             continue
         removed.append(name)
     return removed
+
+
+def check_shared(out: Path, comm: Comm, device: torch.device) -> None:
+    """Every rank of `comm` must see the files rank 0 writes in OUT. Rank 0 writes a token named by a fresh nonce
+    (a name no node has looked up: no cached "missing" answer), every rank reads it back, the answers and host
+    names are gathered, and every rank raises the same one-line ConfigError naming the ranks that cannot see it.
+    Collective; after `prepare_out`."""
+    if comm.size == 1:
+        return
+    nonce = torch.tensor([secrets.randbits(62) if comm.rank == 0 else 0], dtype=torch.int64, device=device)
+    comm.broadcast(nonce, src=0)
+    token, text = out / f".shared_check_{int(nonce[0])}", f"{int(nonce[0])}\n"
+    if comm.rank == 0:
+        token.write_text(text)
+    comm.barrier(device)
+    host = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+    mine = torch.tensor([*host, int(_sees(token, text))], dtype=torch.uint8, device=device)
+    rows = comm.all_gather(mine.unsqueeze(0)).tolist()  # after it, no rank still reads the token
+    if comm.rank == 0:
+        token.unlink(missing_ok=True)
+    hosts = [bytes(row[:HOST_BYTES]).rstrip(b"\0").decode(errors="replace") for row in rows]
+    blind = [f"rank {r} on host {hosts[r]}" for r, row in enumerate(rows) if not row[HOST_BYTES]]
+    if blind:
+        raise ConfigError(f"--out {out} must be on a filesystem every node shares: {', '.join(blind)} cannot see "
+                          f"{token.name}, written there by rank 0 on host {hosts[0]} (checkpoints need one OUT for "
+                          "all ranks; a node's local disk is not)")
+
+
+def _sees(token: Path, text: str) -> bool:
+    """Whether this rank reads `token` with `text`, looking again for up to SHARED_WAIT_S."""
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while True:
+        if _read_token(token) == text:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _read_token(token: Path) -> str | None:
+    try:
+        return token.read_text()
+    except OSError:
+        return None

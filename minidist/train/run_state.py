@@ -41,6 +41,8 @@ def save_run(run: Run, steps_done: int) -> None:
                                world_size=run.env.world_size, barrier=run.barrier, pieces=index)
     if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
         checkpoint.prune_checkpoints(run.out / "checkpoints", keep=run.cfg.keep)
+    if run.barrier is not None:  # the others wait for the deletion here, not in the next step's collectives
+        run.barrier()
 
 
 def end_step(cfg: TrainConfig) -> int:
@@ -77,6 +79,8 @@ def restore_run(run: Run) -> int | None:
     check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
     same = same_layout(meta, run)
     changed = restore_pieces(run, checkpoint_dir(root, step), meta, same)
+    if run.barrier is not None:  # every rank has read its pieces (--ckpt-timeout) before the check's collectives
+        run.barrier()
     if changed:
         run.log(f"the checkpoint's optimizer settings are kept: {', '.join(changed)} (not this run's)")
     # Copies that differ now come from the index (a piece that fills one replica and not another), not the files.
