@@ -87,7 +87,10 @@ def main() -> None:
         for name, (world, model, layout) in LAYOUTS.items():
             out = str(Path(root) / name.replace(" ", "_"))
             run = (out, model, args.steps, args.log_every, not args.no_ops, layout)
-            counts = run_ranks(bench_module.rank_counts, world, *run, timeout=600)[0] if world > 1 else rank_counts(*run)
+            if world > 1:
+                counts = run_ranks(bench_module.rank_counts, world, *run, timeout=600)[0]
+            else:
+                counts = rank_counts(*run)
             results[name] = summary = summarize(counts)
             print(f"{name:<18} {summary['reads']:>10} {summary['log_reads']:>9} {summary['ops']:>14} "
                   f"{summary['log_ops']:>9}")
