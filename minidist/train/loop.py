@@ -16,7 +16,8 @@ Read it top to bottom:
 Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigram entropy, FLOPs per token, the
 peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer
 step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
-`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
+`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s` (the mean over the step's logging window: see
+`train_loop`); `val_loss` after the update on evaluation steps;
 `aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.train.checkpoint); on a failure,
 a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.comm.recorder`; `python -m minidist.debug diff`).
 """
