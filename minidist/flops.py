@@ -304,23 +304,36 @@ def peak_for_device(device: torch.device, dtype: str, override: float | None, cf
 
 
 class MfuMeter:
-    """MFU per step and cumulative, against a peak that a step's achieved rate raises (so MFU <= 1 always)."""
+    """MFU per step and cumulative. A measured peak (a CPU's matmuls, or --peak-flops) is a lower bound of what the
+    device can do, so a step that beats it raises it (MFU <= 1). A datasheet peak (`datasheet=True`, a known GPU) is
+    the hardware's ceiling: a step above it is a timing bug (the clock stopped before the device finished, e.g.
+    without a synchronize), not a faster chip. It is never raised; the first such step prints a note saying so,
+    and MFU is reported as measured, above 100%, so the bug shows in every figure instead of being absorbed into a
+    made-up peak. (A note rather than an error: a wrong clock spoils the figures, not the training.)"""
 
-    def __init__(self, flops_per_token: float, peak_flops: float) -> None:
+    def __init__(self, flops_per_token: float, peak_flops: float, datasheet: bool = False) -> None:
         if peak_flops <= 0:
             raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
         self.flops_per_token = flops_per_token
         self.peak = peak_flops  # of the whole job: per-device peak × devices
+        self.datasheet = datasheet
         self.raised_from: float | None = None
+        self.above_datasheet = False  # a step beat the datasheet peak (reported once)
         self.tokens = 0
         self.seconds = 0.0
 
     def step(self, tokens: int, seconds: float, count: bool = True) -> tuple[float, str | None]:
-        """This step's MFU, and a message the first time a step beat the peak (which then becomes the peak).
+        """This step's MFU, and a message the first time a step beat the peak (a measured peak is then raised to it).
         count=False leaves the step out of the cumulative figure (the first step pays one-time costs)."""
         achieved = tokens * self.flops_per_token / seconds
         message = None
-        if achieved > self.peak:
+        if achieved > self.peak and self.datasheet:
+            if not self.above_datasheet:
+                message = (f"note: a step reached {achieved / 1e9:,.1f} GFLOP/s, above the datasheet peak "
+                           f"{self.peak / 1e9:,.1f}: a timing bug (the step clock stopped before the device finished "
+                           "its work), not a faster chip; MFU is reported as measured, above 100%")
+                self.above_datasheet = True
+        elif achieved > self.peak:
             if self.raised_from is None:
                 message = (f"note: a step reached {achieved / 1e9:,.1f} GFLOP/s, above the peak "
                            f"{self.peak / 1e9:,.1f}; the peak is raised to what was achieved (MFU stays <= 100%)")

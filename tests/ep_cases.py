@@ -142,7 +142,7 @@ def _layout(name: str, router: str, dims: dict, zero: int, microbatches: int, sp
                                  "formula": sum(expected_ep_bytes(c, cfg.moe.n_experts, topo.coord("ep"), cfg.d_model)
                                                 for c in matrices)}
             grads = _full_gradients(parallel, topo)
-        out["norms"].append(parallel.clip_grad_norm_(parity.GRAD_CLIP))
+        out["norms"].append(float(parallel.clip_grad_norm_(parity.GRAD_CLIP)))
         parallel.step()
         out["stats"].append(parallel.moe_stats())
         out["losses"].append(losses.loss)

@@ -119,7 +119,7 @@ def _train(label: str, cfg_name: str, dims: dict, options: dict, steps: int) -> 
             grads = _full_grads(parallel, topo) if keep else None
             if not keep and topo.size("tp") > 1:
                 _full_grads(parallel, topo)  # the tp gathers are collective
-        norms.append(parallel.clip_grad_norm_(GRAD_CLIP))
+        norms.append(float(parallel.clip_grad_norm_(GRAD_CLIP)))
         parallel.step()
     layers = [i for i, block in enumerate(parallel.model.blocks) if block is not None]  # this pipeline stage's
     return {"losses": losses, "norms": norms, "grads": grads, "traffic": traffic, "batch": rows // microbatches,

@@ -77,6 +77,16 @@ def test_override_wins_and_the_meter_never_passes_one():
     assert meter.cumulative == pytest.approx((9000 + 3000) * 1e6 / (3.0 * 6e9))  # the uncounted step left out
 
 
+def test_a_datasheet_peak_is_never_raised():
+    # A step above a GPU's datasheet peak is a timing bug (a clock stopped before the device finished): said once,
+    # and the MFU reported as measured, not hidden under a raised peak.
+    meter = flops.MfuMeter(flops_per_token=1e6, peak_flops=1e9, datasheet=True)
+    mfu, note = meter.step(3000, 1.0)
+    assert mfu == pytest.approx(3.0) and "timing bug" in note and meter.peak == 1e9 and meter.raised_from is None
+    mfu, note = meter.step(6000, 1.0)
+    assert mfu == pytest.approx(6.0) and note is None and meter.peak == 1e9
+
+
 def test_every_metrics_row_is_at_most_one_when_the_peak_was_measured_low(tmp_path, monkeypatch, capsys):
     # A peak measured while the machine was busy: far below what the steps then achieve.
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda shapes, dtype, device, min_seconds: (1e6, shapes[0]))

@@ -87,7 +87,7 @@ def _train(label: str, cfg_name: str, dp: int, tp: int, sequence_parallel: bool,
             if step == 0:
                 grads = gather_full(model, quiet, grads=True)
             pieces = [(p.grad, placement_of(p)) for p in model.parameters() if p.grad is not None]
-            norms.append(clip_grad_norm_(pieces, GRAD_CLIP, {"tp": quiet}))
+            norms.append(float(clip_grad_norm_(pieces, GRAD_CLIP, {"tp": quiet})))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:  # ZeRO-1 over dp_cp: this tp shard's gradients averaged over dp, optimizer state sharded over dp

@@ -292,6 +292,25 @@ def test_text_directory_as_data(tmp_path):
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
 
 
+def test_nan_guard_reports_at_the_next_read(tmp_path):
+    # Logging every 4 steps: the step that diverged (index 1) is named at the read of index 3; the steps before it
+    # are written, the later ones (skipped on the device) are not.
+    cfg = small_config(tmp_path, lr=1e30, min_lr=0.0, warmup_steps=0, grad_clip=0.0, log_every=4, eval_every=0)
+    with pytest.raises(health.TrainingDiverged, match=r"^step 2: loss="):
+        train.train(cfg)
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()] == [0]
+
+
+def test_step_clock_is_the_mean_over_the_synchronized_window(tmp_path, monkeypatch):
+    syncs = []
+    monkeypatch.setattr(train.metrics, "synchronize", lambda device: syncs.append(device))
+    train.train(small_config(tmp_path, steps=5, log_every=2, eval_every=0))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(syncs) == 4  # one per read: steps 0 (the first), 1 and 3 (every 2nd), 4 (the last)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[2]["step_s"] == rows[3]["step_s"]
+    assert rows[1]["step_s"] != rows[2]["step_s"] and rows[2]["mfu"] == rows[3]["mfu"]
+
+
 def test_nan_guard_stops_at_the_step(tmp_path, capsys):
     # lr 1e30: step 1 is finite, its update blows the weights up, step 2's loss is not a number. The error counts
     # steps as the progress line does ("step 1/4" is the first step, index 0).
@@ -305,19 +324,45 @@ def test_nan_guard_stops_at_the_step(tmp_path, capsys):
 
 
 def test_nan_guard_runs_before_the_update():
+    # Decided on the device: the step returns, its update skipped (optimizer state too); the guard's report comes
+    # when the figures are read (`health.check_finite`, the loop's read), naming the step.
     model = build_model(get_preset("tiny", **SMALL_MODEL))
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     with torch.no_grad():
         model.blocks[0].mlp.w1.weight[0, 0] = float("nan")
     before = [p.clone() for p in model.parameters()]
     batch = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
+    losses, norm, healthy = train.train_step(ParallelModel(model, optimizer), batch, step=7, grad_clip=1.0)
+    assert not healthy
     with pytest.raises(health.TrainingDiverged, match="step 8"):  # index 7 is the progress line's "step 8/..."
-        train.train_step(ParallelModel(model, optimizer), batch, step=7, grad_clip=1.0)
-    assert not optimizer.state  # no update happened
+        health.check_finite(8, float(losses.loss), float(norm))
+    # no update happened: the state is what a fused AdamW leaves after a step skipped by found_inf (zeros)
+    assert all(not torch.is_nonzero(t.abs().sum()) for s in optimizer.state.values() for t in s.values())
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.nan_to_num(), q.nan_to_num())
     with pytest.raises(health.TrainingDiverged, match="grad_norm=inf"):
         health.check_finite(3, 1.0, float("inf"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_stays_skipped_until_the_read(fused):
+    # After a non-finite step, finite ones change nothing either (the weights stay those before the first bad
+    # step, AdamW's moments and step counts included), with torch's found_inf (fused) or the copy (elsewhere).
+    model = build_model(get_preset("tiny", **SMALL_MODEL))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    parallel = ParallelModel(model, optimizer)
+    gen = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen))]
+    _, _, healthy = train.train_step(parallel, batch, step=0, grad_clip=1.0)
+    assert healthy
+    state = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
+    weights = [p.clone() for p in model.parameters()]
+    bad = [(batch[0][0], torch.full_like(batch[0][1], -100))]  # no counted target: loss 0/0 = NaN
+    _, _, healthy = train.train_step(parallel, bad, step=1, grad_clip=1.0, healthy=healthy)
+    _, _, healthy = train.train_step(parallel, batch, step=2, grad_clip=1.0, healthy=healthy)  # finite, skipped
+    assert not healthy
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), weights))
+    assert all(torch.equal(v, state[k]) for k, v in optimizer.state[next(model.parameters())].items())
 
 
 def test_replica_hash_is_exact():

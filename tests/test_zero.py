@@ -80,7 +80,7 @@ def moe_reference() -> dict:
         loss = lm_loss(model(inputs), targets)
         loss.backward()
         pieces = [(p.grad, placement_of(p)) for p in model.parameters() if p.grad is not None]
-        norms.append(clip_grad_norm_(pieces, parity.GRAD_CLIP, {}))
+        norms.append(float(clip_grad_norm_(pieces, parity.GRAD_CLIP, {})))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -94,7 +94,7 @@ def _train(setup: Setup, topo: Topology) -> dict:
         if step == 0:
             out["contributions"] = grad_diff.norm_contributions(parallel, names)
             out["grads"] = grad_diff.full_named(parallel.model, quiet, grads=True)
-        out["norms"].append(parallel.clip_grad_norm_(GRAD_CLIP))
+        out["norms"].append(float(parallel.clip_grad_norm_(GRAD_CLIP)))
         parallel.step()
         out["losses"].append(losses.loss)
     try:  # the trainer's replica check (chapter 13), after the last step

@@ -48,6 +48,7 @@ from minidist.parallel.grad_sync import GradSync, OwnedRange, SingleReplica
 from minidist.parallel.layout import ParallelOptions
 from minidist.parallel.placement import Placement, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import TiedGrads, tie_across_stages
+from minidist.parallel.skip_step import skip_unless
 from minidist.precision import check_fp32
 
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
@@ -57,8 +58,15 @@ Autocast = Callable[[], contextlib.AbstractContextManager]
 
 @dataclass
 class StepLosses:
-    loss: float  # the global batch's mean LM loss (Σ token losses / global count), the same on every rank
-    aux_loss: float = 0.0  # MoE balancing losses, mean over micro-batches and replicas: the global batch's
+    """A step's losses: 0-d float64 tensors on the compute device from `forward_backward_on_device` (no host read),
+    Python floats from `forward_backward` and `read()`."""
+
+    loss: torch.Tensor | float  # the global batch's mean LM loss (Σ token losses / global count), the same everywhere
+    aux_loss: torch.Tensor | float = 0.0  # MoE balancing losses, mean over micro-batches and replicas
+
+    def read(self) -> StepLosses:
+        """The same figures as floats: a host read, which waits for the device."""
+        return StepLosses(float(self.loss), float(self.aux_loss))
 
 
 def count_targets(batches: Batches) -> torch.Tensor:
@@ -166,7 +174,12 @@ class ParallelModel:
     # -- the step ---------------------------------------------------------------------------------------------------
 
     def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
-        """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches."""
+        """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches; the losses as
+        floats (read on the host: `forward_backward_on_device` leaves them on the device)."""
+        return self.forward_backward_on_device(batches, autocast).read()
+
+    def forward_backward_on_device(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
+        """`forward_backward` with the losses left on the compute device (0-d float64 tensors): nothing waits."""
         batches, positions = self._local_tokens(batches)
         self._tied_pending = self.tied is not None
         count = self._global_sum(count_targets(batches))
@@ -174,16 +187,17 @@ class ParallelModel:
         loss_scale = (replicas / count).float()
         no_sync = self._grad_sync.no_sync
         if self.runner is not None:
-            stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale, positions=positions)
-            loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
+            totals = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale,
+                                      positions=positions).totals
+            loss_sum, aux = totals[0], totals[1]
         else:
             loss_sum, aux = self._accumulate(batches, positions, autocast, no_sync, loss_scale)
         # One all-reduce: the loss sum, and the balancing losses (a per-replica mean: their average is the global)
-        totals = self._global_sum(torch.stack([loss_sum.double().to(count.device), count.new_tensor(aux)]))
-        return StepLosses((totals[0] / count).item(), (totals[1] / replicas).item())
+        totals = self._global_sum(torch.stack([loss_sum.double().to(count.device), aux.double().to(count.device)]))
+        return StepLosses(totals[0] / count, totals[1] / replicas)
 
     def _accumulate(self, batches: Batches, positions: list | None, autocast: Autocast, no_sync: Callable,
-                    loss_scale: torch.Tensor) -> tuple[torch.Tensor, float]:
+                    loss_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward each micro-batch; data parallelism communicates during the last backward only."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         aux_total = torch.zeros_like(total)
@@ -200,7 +214,7 @@ class ParallelModel:
             with no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
                 objective.backward()
             total += loss_sum.detach()
-        return total, (aux_total / len(batches)).item()
+        return total, aux_total / len(batches)
 
     def grad_pieces(self) -> tuple[list[tuple[torch.Tensor, Placement]], dict]:
         """This rank's gradient pieces and the groups over which they are disjoint (what the norm sums over); a
@@ -217,20 +231,24 @@ class ParallelModel:
         self._grad_sync.finish_grad_sync()
         return self._grad_sync.grad_pieces(), {**self._grad_sync.norm_groups(), **self.model_groups}
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip to a global L2 norm of the whole model's gradient (0: measure only); return the norm before."""
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to a global L2 norm of the whole model's gradient (0: measure only); return the norm before, a 0-d
+        float64 tensor on the compute device (no host read)."""
         pieces, groups = self.grad_pieces()
         return clip_grad_norm_(pieces, max_norm, groups)
 
-    def step(self) -> None:
-        """The optimizer step, then the MoE router biases (from expert loads summed over all replicas)."""
+    def step(self, apply: torch.Tensor | None = None) -> None:
+        """The optimizer step, then the MoE router biases (from expert loads summed over all replicas). `apply`, a
+        bool tensor on the device (the same on every rank): False makes the step a no-op decided on the device,
+        optimizer state included (`minidist.parallel.skip_step`), as a found_inf flag does under loss scaling."""
         if self._tied_pending:  # not clipped: the tied gradients still need their sum
             self.grad_pieces()
-        self.optimizer.step()
+        with skip_unless(apply, self.optimizers()):
+            self.optimizer.step()
         self._grad_sync.zero_grad()  # every .grad dropped (the averaged ones are views of the engine's buckets)
         if self.with_aux:
             reduce = self.replicas.all_reduce if self.replicas is not None else None
-            moe_routing.update_router_biases(self.model, reduce_fn=reduce)
+            moe_routing.update_router_biases(self.model, reduce_fn=reduce, apply=apply)
 
     @torch.no_grad()
     def evaluate(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> float:
@@ -266,6 +284,10 @@ class ParallelModel:
     def moe_stats(self) -> dict[str, float]:
         """The step's MoE balance figures over the global batch: sums added over the replicas and the stages
         (collective: every rank calls it). tp ranks route the same tokens, so their sums are not added."""
+        return moe_routing.read_figures(self.moe_stats_on_device())
+
+    def moe_stats_on_device(self) -> dict[str, torch.Tensor]:
+        """`moe_stats` as 0-d tensors on the compute device (no host read)."""
         if not self.with_aux:
             return {}
 
@@ -273,7 +295,7 @@ class ParallelModel:
             for comm in (self.replicas, self.model_groups.get("pp")):
                 if comm is not None:
                     comm.all_reduce(sums)
-        return moe_routing.moe_stats(self.model, reduce)
+        return moe_routing.moe_stats_on_device(self.model, reduce)
 
     def finish_grad_sync(self) -> None:
         """Wait for this step's gradient reduction: every replica then holds the reduced gradients (or shards)."""

@@ -109,35 +109,45 @@ GradPiece = tuple[torch.Tensor, Placement]
 
 @torch.no_grad()
 def grad_norm(pieces: Iterable[GradPiece], comms: dict[str, Comm]) -> torch.Tensor:
-    """sqrt(Σ ||piece||² / copies), summed over this rank's pieces and then over every group in `comms`.
+    """sqrt(Σ ||piece||² / copies), summed over this rank's pieces and then over every group in `comms`: a 0-d
+    float64 tensor on the pieces' device (no host read).
 
     `pieces` are this rank's gradient tensors (whole gradients, or the slices a ZeRO rank owns) with their
     parameters' placements; `comms` are the groups over which the pieces are disjoint (tp, pp; dp_cp under ZeRO).
-    Squares are summed in fp64: with many shards an fp32 sum differs from one device's in the 5th digit.
+    Squares are summed in fp64: with many shards an fp32 sum differs from one device's in the 5th digit. One
+    `torch._foreach_norm` per (device, dtype) group, accumulating in fp64, instead of five kernels per piece.
     """
     pieces = list(pieces)
     names = list(comms)
     device = pieces[0][0].device if pieces else None
-    local = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype, copies): one foreach kernel each
     for grad, placement in pieces:
-        local += grad.detach().double().pow(2).sum() / placement.copies(names)
+        groups.setdefault((grad.device, grad.dtype, placement.copies(names)), []).append(grad.detach())
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, _, copies), grads in groups.items():
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+        local += norms.square().sum().to(local.device) / copies
     for comm in comms.values():
         comm.all_reduce(local)
     return local.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(pieces: Iterable[GradPiece], max_norm: float, comms: dict[str, Comm]) -> float:
+def clip_grad_norm_(pieces: Iterable[GradPiece], max_norm: float, comms: dict[str, Comm]) -> torch.Tensor:
     """Scale every piece in place so the global norm is at most `max_norm` (0: measure only); return the norm
-    before clipping. The rule of torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)).
-    Every rank computes the same norm and the same factor, so replicas stay identical."""
+    before clipping, a 0-d float64 tensor on the device (read it when needed: a read waits for the device). The rule
+    of torch.nn.utils.clip_grad_norm_: multiply by min(1, max_norm / (norm + 1e-6)). Every rank computes the same
+    norm and the same factor, so replicas stay identical."""
     pieces = list(pieces)
     norm = grad_norm(pieces, comms)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        by_dtype: dict[tuple, list[torch.Tensor]] = {}
         for grad, _ in pieces:
-            grad.mul_(coef.to(grad.dtype))
-    return norm.item()
+            by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, dtype), grads in by_dtype.items():
+            torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
+    return norm
 
 
 # ---------------------------------------------------------------------------------------------------------------

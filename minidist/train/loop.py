@@ -16,7 +16,8 @@ Read it top to bottom:
 Outputs in OUT/: `run.json` (resolved settings, corpus, parameter counts, unigram entropy, FLOPs per token, the
 peak FLOP/s used for MFU and its source; final figures added at the end), `metrics.jsonl` (one object per optimizer
 step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
-`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s`; `val_loss` after the update on evaluation steps;
+`grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s` (the mean over the step's logging window: see
+`train_loop`); `val_loss` after the update on evaluation steps;
 `aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.train.checkpoint); on a failure,
 a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.comm.recorder`; `python -m minidist.debug diff`).
 """
@@ -172,14 +173,18 @@ def resume(run: Run) -> None:
 
 
 def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,
-               grad_clip: float, autocast: Callable = contextlib.nullcontext) -> tuple[StepLosses, float]:
+               grad_clip: float, autocast: Callable = contextlib.nullcontext, healthy: torch.Tensor | None = None
+               ) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's micro-batches of one global batch; returns (losses, grad norm before
-    clipping). Stops (TrainingDiverged) before a non-finite update, naming the step as the progress line does."""
-    losses = parallel.forward_backward(batches, autocast)
+    clipping, healthy), all on the device: nothing here waits for it. `healthy` (a bool tensor) stays True while
+    every loss and gradient norm so far is finite; once False, the update of this step and of every later one is
+    skipped on the device (`ParallelModel.step`), so the weights stay those before the first non-finite step until
+    the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does)."""
+    losses = parallel.forward_backward_on_device(batches, autocast)
     grad_norm = parallel.clip_grad_norm_(grad_clip)
-    health.check_finite(step + 1, losses.loss, grad_norm)  # `step` is 0-based; "step 3/200" is index 2
-    parallel.step()
-    return losses, grad_norm
+    healthy = health.finite_on_device(losses.loss, grad_norm, healthy)
+    parallel.step(apply=healthy)
+    return losses, grad_norm, healthy
 
 
 def inject_fault(run: Run, step: int) -> None:
@@ -191,6 +196,12 @@ def inject_fault(run: Run, step: int) -> None:
 
 
 def train_loop(run: Run) -> dict[str, Any]:
+    """The steps, reading their figures on the host only on logging steps (and on evaluation, replica-check and
+    checkpoint steps, at --stop-after and at the end): a step in between queues its work and goes on, its loss, grad
+    norm and MoE figures waiting on the device, so a GPU's host never waits for it. A read synchronizes
+    the device, stops the clock and writes the window's records to metrics.jsonl together, one per step: `step_s`
+    (and `tokens_per_s`, `mfu`) of each step is the mean over its logging window, the window's time (from the end
+    of the previous read, evaluation or checkpoint to the synchronized end of its last step) over its steps."""
     # `last` keeps the cadence of --steps for evaluations and checks (a stopped and resumed run logs what a straight
     # run does); `stopping`, the last step of this run (--stop-after's), always prints its progress line.
     cfg, info, last = run.cfg, run.info, run.cfg.steps - 1
@@ -202,37 +213,67 @@ def train_loop(run: Run) -> dict[str, Any]:
         run.log(line)
     summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
     clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
-    meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size)
+    meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size,
+                     datasheet=info["peak_flops_source"].startswith("datasheet"))
+    pending: list[dict[str, Any]] = []  # the window's steps, their figures still on the device
+    healthy, started = None, time.perf_counter()
     for step in range(run.start_step, run_state.end_step(cfg)):  # --stop-after ends it early
-        started = time.perf_counter()
         lr = run.schedule.apply(run.parallel.optimizer, step)
         batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
-        losses, grad_norm = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
-                                       autocast=run.autocast)
+        losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
+                                                autocast=run.autocast, healthy=healthy)
         run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
         inject_fault(run, step)
-        seconds = time.perf_counter() - started
-        mfu, note = meter.step(info["tokens_per_step"], seconds, count=step > run.start_step)
-        if note:
-            run.log(note)
-        record = {"step": step, "loss": losses.loss, "lr": lr, "grad_norm": grad_norm, "mfu": mfu, "step_s": seconds,
-                  "tokens_per_s": info["tokens_per_step"] / seconds,
-                  "peak_mem_bytes": metrics.peak_memory_per_rank(run.device, run.topo.comm("world"))}
+        device = {"loss": losses.loss, "grad_norm": grad_norm}
         if run.mcfg.moe.n_experts > 0:
-            record.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats())
-        if run.val_batches and _is_due(step, cfg.eval_every, last):
-            record["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches, run.autocast)
-        if writer:
-            writer.write(record)
+            device.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats_on_device())
+        pending.append({"step": step, "lr": lr, "device": device})
         clock.tick()
-        if _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping):
-            run.log(metrics.progress_line(record, cfg.steps, clock))
+        logging = _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping)
+        if not (logging or any(_is_due(step, every, last) for every in (cfg.eval_every, cfg.check_every))
+                or run_state.checkpoint_due(cfg, step)):
+            continue
+        records = read_window(run, pending, meter, started)
+        pending = []
+        if run.val_batches and _is_due(step, cfg.eval_every, last):
+            records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches, run.autocast)
+        if writer:
+            writer.write_many(records)
+        for record in records:
+            for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
+                summary[key].append(record[name])
+        if logging:
+            run.log(metrics.progress_line(records[-1], cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
             replicas.check_model(run.parallel, f"check after step {step}")
         run_state.checkpoint_if_due(run, step)  # every --ckpt-every steps, at the end and at --stop-after
-        for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
-            summary[key].append(record[name])
+        started = time.perf_counter()  # evaluations, checks and checkpoints are no step's time
     return finish(run, summary, clock, meter)
+
+
+def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, started: float) -> list[dict[str, Any]]:
+    """The records of a logging window's steps: wait for the device, time the window, read every figure in one
+    transfer, and stop (TrainingDiverged) at the first step whose loss or grad norm is not finite, after writing
+    the records of the steps before it."""
+    metrics.synchronize(run.device)
+    seconds = (time.perf_counter() - started) / len(pending)
+    values = metrics.read_figures([p["device"] for p in pending])
+    peak_mem = metrics.peak_memory_per_rank(run.device, run.topo.comm("world"))
+    tokens, records = run.info["tokens_per_step"], []
+    for p, figures in zip(pending, values):
+        try:
+            health.check_finite(p["step"] + 1, figures["loss"], figures["grad_norm"])  # "step 3/200" is index 2
+        except health.TrainingDiverged:
+            if run.is_main:
+                metrics.MetricsWriter(run.out / "metrics.jsonl").write_many(records)
+            raise
+        mfu, note = meter.step(tokens, seconds, count=p["step"] > run.start_step)
+        if note:
+            run.log(note)
+        records.append({"step": p["step"], "loss": figures.pop("loss"), "lr": p["lr"],
+                        "grad_norm": figures.pop("grad_norm"), "mfu": mfu, "step_s": seconds,
+                        "tokens_per_s": tokens / seconds, "peak_mem_bytes": peak_mem, **figures})
+    return records
 
 
 def _is_due(step: int, every: int, last: int) -> bool:

@@ -1,8 +1,9 @@
 """What a run writes and prints: run.json (the settings and the numbers every figure is measured against),
 metrics.jsonl (one object per optimizer step) and the progress lines on rank 0.
 
-Every row records each rank's peak memory (`peak_memory_bytes`): on CUDA `torch.cuda.max_memory_allocated` (the
-caching allocator's count of live tensor bytes at their peak). A CPU has no such counter, so the documented
+Every row records each rank's peak memory so far (`peak_memory_bytes`), measured once per logging window, at the
+step that reads it: on CUDA `torch.cuda.max_memory_allocated` (the caching allocator's count of live tensor bytes at
+their peak). A CPU has no such counter, so the documented
 substitute is the process's peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`): it also counts the
 interpreter, the libraries and freed-but-cached pages, so it is an upper bound of the tensor bytes, never below them.
 """
@@ -24,14 +25,18 @@ from minidist.comm.communicator import Comm
 
 
 class MetricsWriter:
-    """Appends one JSON object per optimizer step to metrics.jsonl, flushed at once (a crash loses nothing)."""
+    """Appends one JSON object per optimizer step to metrics.jsonl, flushed at once: the trainer writes a logging
+    window's records together when it reads them (at every logging step, evaluation, check, checkpoint, the end)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def write(self, record: dict[str, Any]) -> None:
+        self.write_many([record])
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(jsonable(record)) + "\n")
+            f.write("".join(json.dumps(jsonable(record)) + "\n" for record in records))
 
 
 def start_metrics(path: Path, keep_before: int | None) -> None:
@@ -141,6 +146,23 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux kilobytes
+
+
+def read_figures(steps: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Each step's figures ({name: 0-d tensor on the device}, the same names every step) as floats, in one host read
+    for all of them: a read waits for the device, so a window pays it once."""
+    if not steps:
+        return []
+    names = list(steps[0])
+    values = torch.stack([torch.stack([torch.as_tensor(f[n]).double() for n in names]) for f in steps]).tolist()
+    return [dict(zip(names, row)) for row in values]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has run every queued kernel (CUDA); a no-op on a CPU, which runs them as they come. The
+    step clock stops after it: without it, it would stop when the host had only queued the step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_memory_per_rank(device: torch.device, comm: Comm) -> list[int]:

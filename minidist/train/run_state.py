@@ -51,13 +51,18 @@ def end_step(cfg: TrainConfig) -> int:
     return cfg.stop_after if cfg.stop_after > 0 else cfg.steps
 
 
-def checkpoint_if_due(run: Run, step: int) -> None:
-    """After step index `step`: checkpoint every --ckpt-every steps and at the last step, and always at --stop-after
-    (a time-limited job must leave a checkpoint to continue from)."""
-    cfg = run.cfg
+def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether step index `step` ends with a checkpoint: every --ckpt-every steps and at the last step, and always at
+    --stop-after (a time-limited job must leave a checkpoint to continue from)."""
     due = cfg.ckpt_every > 0 and (step == cfg.steps - 1 or (step + 1) % cfg.ckpt_every == 0)
+    return due or step + 1 == cfg.stop_after
+
+
+def checkpoint_if_due(run: Run, step: int) -> None:
+    """After step index `step`: checkpoint if `checkpoint_due`."""
+    cfg = run.cfg
     stopping = step + 1 == cfg.stop_after
-    if due or stopping:
+    if checkpoint_due(cfg, step):
         save_run(run, step + 1)
     if stopping and cfg.stop_after < cfg.steps:
         run.log(f"--stop-after {cfg.stop_after}: stopped with a checkpoint at step {step + 1} of {cfg.steps}; "

@@ -1,7 +1,8 @@
 """Trust nothing: cheap checks that catch a broken run at the step it breaks, not hours later.
 
-- `check_finite`: a NaN or inf loss or gradient norm stops training with one line naming the step, before the
-  optimizer writes the bad update into the weights.
+- `check_finite`: a NaN or inf loss or gradient norm stops training with one line naming the step; the update is
+  never written into the weights: `finite_on_device` decides on the device that the optimizer skips it, and the
+  trainer reports it when it next reads its figures.
 - `replica_hash`: a fingerprint of tensors' exact bytes. Data-parallel replicas must hold bitwise-identical
   parameters; comparing one short string per rank (chapter 07) finds the first step where they drift apart.
 (That losses are reduced in fp32 is checked where they are reduced: `minidist.precision.check_fp32`.)
@@ -31,6 +32,15 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
             f"step {step}: {' and '.join(bad)} is not finite; stopping before the optimizer step "
             "(lower --lr, raise --warmup-steps, or set --grad-clip)"
         )
+
+
+def finite_on_device(loss: torch.Tensor, grad_norm: torch.Tensor, healthy: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """`check_finite`'s test decided on the device, without a host read: a bool tensor, True while `healthy` (the
+    steps before; None: none) and this step's loss and grad_norm are finite. The trainer skips the update where it
+    is False and calls `check_finite` on the figures when it next reads them."""
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
+    return finite if healthy is None else healthy & finite
 
 
 def replica_hash(tensors: Iterable[torch.Tensor]) -> str:

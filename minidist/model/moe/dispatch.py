@@ -25,6 +25,12 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return math.ceil(exact)
 
 
+def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `values` (all in that range): `torch.bincount(values, minlength=n)`, which
+    on CUDA reads the largest value on the host to size its output; a scatter of ones needs no read."""
+    return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 @dataclass
 class DispatchPlan:
     token: torch.Tensor  # [S] token index of each kept slot, grouped by expert
@@ -57,10 +63,10 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     slots = torch.arange(expert_of_slot.numel(), device=indices.device)
     run = expert_of_slot * sequences + (slots % num_tokens) // seq_len  # (expert, sequence), expert major
     order = torch.argsort(run, stable=True)
-    routed = torch.bincount(expert_of_slot, minlength=num_experts)
+    routed = count_values(expert_of_slot, num_experts)
     counts = routed
     if capacity is not None:
-        sizes = torch.bincount(run, minlength=num_experts * sequences)
+        sizes = count_values(run, num_experts * sequences)
         position = slots - (sizes.cumsum(0) - sizes)[run[order]]
         order = order[position < capacity]
         counts = sizes.clamp(max=capacity).view(num_experts, sequences).sum(dim=1)

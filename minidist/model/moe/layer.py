@@ -52,7 +52,7 @@ class MoELayer(nn.Module):
         self.register_buffer("step_sums", torch.zeros(moe.n_experts + len(STEP_FIELDS), dtype=torch.float64),
                              persistent=False)
         self.aux_loss: torch.Tensor | None = None
-        self.last_stats: dict | None = None
+        self._last: tuple | None = None  # the last forward's figures, on the device until `last_stats` reads them
         self.seq_reduce: Callable | None = None  # context parallelism: sums over the ranks holding each sequence
 
     def route(self, x: torch.Tensor) -> Routing:
@@ -82,18 +82,26 @@ class MoELayer(nn.Module):
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
         routed = plan.routed.detach()
         tokens, slots = routing.indices.shape[0], routing.indices.numel()
+        dropped = routed.sum() - plan.counts.sum()
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)
-                dropped = routed.sum() - plan.counts.sum()
-                sums = [*routed, dropped, per_sequence.sum(), per_sequence.numel(), z * tokens, tokens]
-                self.step_sums += torch.stack([torch.as_tensor(v).to(self.step_sums) for v in sums])
-        self.last_stats = {
-            "expert_load": (routed.float() / slots).cpu(),
-            "drop_rate": plan.dropped / slots,
-            "balance_loss": float(balance.detach()),
-            "z_loss": float(z.detach()),
-        }
+                # In place, Python numbers as scalars: a tensor built on the host would be a copy the GPU waits on.
+                sums, n = self.step_sums, self.n_experts
+                sums[:n] += routed.to(sums)
+                for i, value in enumerate((dropped, per_sequence.sum(), per_sequence.numel(), z * tokens, tokens)):
+                    sums[n + i] += value  # STEP_FIELDS' order
+        self._last = (routed, slots, dropped.detach(), balance.detach(), z.detach())
+
+    @property
+    def last_stats(self) -> dict | None:
+        """The last forward's expert_load [N] (fraction of routed slots), drop_rate, balance_loss and z_loss as
+        floats, read on the host when asked (the trainer logs `moe_stats` instead); None before a forward."""
+        if self._last is None:
+            return None
+        routed, slots, dropped, balance, z = self._last
+        return {"expert_load": (routed.float() / slots).cpu(), "drop_rate": int(dropped) / slots,
+                "balance_loss": float(balance), "z_loss": float(z)}
 
 
 def moe_forward_naive(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minidist.model.moe.dispatch import count_values
+
 
 @dataclass
 class Routing:
@@ -73,9 +75,9 @@ def sequence_balance_losses(router_probs: torch.Tensor, expert_indices: torch.Te
     indices = expert_indices.reshape(tokens, -1)
     seq_len = seq_len or tokens
     sequences = tokens // seq_len
-    # counts[s, i]: slots of sequence s routed to i, one bincount over the pairs (s, i) numbered s·N + i
+    # counts[s, i]: slots of sequence s routed to i, one count over the pairs (s, i) numbered s·N + i
     pair = indices.reshape(sequences, -1) + num_experts * torch.arange(sequences, device=indices.device)[:, None]
-    counts = torch.bincount(pair.flatten(), minlength=sequences * num_experts).view(sequences, num_experts)
+    counts = count_values(pair.flatten(), sequences * num_experts).view(sequences, num_experts)
     counts = reduce_counts(counts) if reduce_counts is not None else counts  # a sequence split over cp ranks
     f = counts.to(probs.dtype) / counts.sum(dim=-1, keepdim=True)  # / (T·k)
     p = probs.reshape(sequences, seq_len, num_experts).mean(dim=1)

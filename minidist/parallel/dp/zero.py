@@ -215,10 +215,11 @@ class ZeroOptimizer(GradSync):
 
     def clip_grad_norm(self, max_norm: float, extra_groups: dict[str, Comm] | None = None) -> float:
         """Finish the gradient sync, then scale the gradients to a global L2 norm of at most `max_norm` (0: measure
-        only); return the norm before clipping. `extra_groups` are the other groups the model is split over (e.g.
-        {"tp": ..., "pp": ...}): the norm is then the whole model's."""
+        only); return the norm before clipping (read on the host; the trainer's `ParallelModel` keeps it on the
+        device). `extra_groups` are the other groups the model is split over (e.g. {"tp": ..., "pp": ...}): the norm
+        is then the whole model's."""
         self.finish_grad_sync()
-        return clip_grad_norm_(self.grad_pieces(), max_norm, {**self.norm_groups(), **(extra_groups or {})})
+        return float(clip_grad_norm_(self.grad_pieces(), max_norm, {**self.norm_groups(), **(extra_groups or {})}))
 
     @torch.no_grad()
     def step(self) -> None:

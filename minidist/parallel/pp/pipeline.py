@@ -159,11 +159,21 @@ def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: i
 
 @dataclass
 class StepStats:
-    loss: float  # Σ of the token losses of the step's micro-batches, the same on every pipeline rank
-    aux_loss: float = 0.0  # MoE balancing losses, summed over stages, mean over micro-batches
+    # [2] on the compute device: Σ of the token losses of the step's micro-batches (the same on every pipeline
+    # rank), and the MoE balancing losses summed over stages, mean over micro-batches. Kept on the device: the
+    # trainer reads them on its logging steps only; `loss` and `aux_loss` read them now.
+    totals: torch.Tensor | None = None
     events: list[Event] = field(default_factory=list)  # this rank's actions, time.perf_counter() start/end
     peak_activation_bytes: int = 0  # most bytes saved for backward alive at once (measure_memory=True)
     peak_in_flight: int = 0  # most (micro-batch, chunk) forwards awaiting their backward at once
+
+    @property
+    def loss(self) -> float:
+        return self.totals[0].item() if self.totals is not None else 0.0
+
+    @property
+    def aux_loss(self) -> float:
+        return self.totals[1].item() if self.totals is not None else 0.0
 
 
 class _SavedBytes:
@@ -199,7 +209,7 @@ class _StepState:
     last_backward: Action | None  # the backward that runs outside `no_sync`
     loss_sum: torch.Tensor
     aux_sum: torch.Tensor
-    stats: StepStats = field(default_factory=lambda: StepStats(loss=0.0))
+    stats: StepStats = field(default_factory=StepStats)
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # received hidden states, requires_grad
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # chunk outputs (the loss sum on the last chunk)
     aux: dict[Key, torch.Tensor] = field(default_factory=dict)  # MoE balancing losses awaiting their backward
@@ -337,7 +347,7 @@ class PipelineRunner:
         totals = torch.stack([s.loss_sum, s.aux_sum / len(s.batches)])
         if self.pp > 1:
             self.comm.all_reduce(totals)
-        s.stats.loss, s.stats.aux_loss = totals[0].item(), totals[1].item()
+        s.stats.totals = totals
         return s.stats
 
     # -- the action handlers: one per action kind ------------------------------------------------------------------

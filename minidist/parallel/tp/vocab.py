@@ -115,8 +115,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
                          f"[..., V/p] with targets [...]")
     vocab = logits.shape[-1] * comm.size
     valid = targets != ignore_index
-    if bool((valid & ((targets < 0) | (targets >= vocab))).any()):
-        raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+    # Checked on the device (an error on the CPU, a device-side assert on a GPU), as F.cross_entropy does: a host
+    # read of the check would stop the host every micro-batch.
+    torch._assert_async(~(valid & ((targets < 0) | (targets >= vocab))).any(),
+                        f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
     losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), comm,
                                               ignore_index)
     if reduction == "none":
