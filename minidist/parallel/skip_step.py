@@ -7,10 +7,11 @@ divergence at its next read (`minidist.train.loop`). How, by optimizer:
 
 - a fused torch optimizer (AdamW with fused=True, the trainer's choice on CUDA) takes a `found_inf` flag, as under
   `torch.amp.GradScaler`: the kernel skips the update and the step counters are put back, at no cost;
-- any other optimizer is stepped, then every tensor it wrote (parameters and state) is put back with
-  `torch.where(apply, new, old)` from a copy taken before the step; state that did not exist yet goes back to zeros,
-  which is what torch's AdamW holds after a fused step skipped by found_inf (the next step then starts as fresh).
-  Exact, and paid only where the fused kernel does not run (the CPU).
+- any other optimizer (the trainer's choice on a CPU, where a host read costs nothing: the ops ran already) reads
+  `apply` once; on a step to skip it is stepped anyway (ZeRO's collectives around it run on every rank alike), then
+  every tensor it wrote (parameters and state) is put back from a copy taken before the step; state that did not
+  exist yet goes back to zeros, which is what torch's AdamW holds after a fused step skipped by found_inf (the next
+  step then starts as fresh). Exact, and the copies are paid only on a skipped step.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ def skip_unless(apply: torch.Tensor | None, optimizers: Sequence[torch.optim.Opt
     if apply is None:
         yield
         return
-    handles, flagged = [], []
-    for optimizer in optimizers:
-        if _fused(optimizer):
-            optimizer.found_inf = (~apply).to(torch.float32)
-            flagged.append(optimizer)
-        else:
-            saved: dict[int, tuple[torch.Tensor, dict]] = {}
-            handles.append(optimizer.register_step_pre_hook(
-                lambda opt, args, kwargs, saved=saved: _save(opt, saved)))
-            handles.append(optimizer.register_step_post_hook(
-                lambda opt, args, kwargs, saved=saved: _restore(opt, saved, apply)))
+    handles, flagged = [], [o for o in optimizers if _fused(o)]
+    unfused = [o for o in optimizers if not _fused(o)]
+    if unfused and bool(apply):  # the one host read, only where no fused kernel takes the flag
+        unfused = []
+    for optimizer in flagged:
+        optimizer.found_inf = (~apply).to(torch.float32)
+    for optimizer in unfused:  # a step to skip: put back what it writes
+        saved: dict[int, tuple[torch.Tensor, dict]] = {}
+        handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs, saved=saved: _save(opt, saved)))
+        handles.append(optimizer.register_step_post_hook(
+            lambda opt, args, kwargs, saved=saved: _restore(opt, saved, apply)))
     try:
         yield
     finally:
