@@ -20,11 +20,20 @@ refused before it starts (one line, `check_can_compile`), never silently run unc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from minidist.model.moe.layer import replaying
+from minidist.model.moe.stats import moe_layers
+
+
+def _recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+    """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing."""
+    return contextlib.nullcontext(), replaying(block)
 
 
 def _recomputed_forward(forward, *args, **kwargs):
@@ -33,9 +42,14 @@ def _recomputed_forward(forward, *args, **kwargs):
 
 
 def apply_recompute(model: nn.Module) -> nn.Module:
-    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped)."""
+    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped).
+
+    A block with MoE layers replays its forward under `replaying` (each routing counted once). Only those take the
+    context_fn: inductor accepts none but selective-checkpoint ones in a traced region, and an MoE layer's Python
+    attributes (`aux_loss`, `last_stats`) make dynamo run its block's checkpoint eagerly anyway."""
     for block in model.blocks:
-        block.forward = functools.partial(_recomputed_forward, block.forward)
+        contexts = {"context_fn": functools.partial(_recompute_contexts, block)} if moe_layers(block) else {}
+        block.forward = functools.partial(_recomputed_forward, block.forward, **contexts)
     return model
 
 
