@@ -253,11 +253,11 @@ class PipelineRunner:
 
     `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
     are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (default `residual_dtype(stage)`:
-    what the sending stage sends), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the
-    caller reduces them over data-parallel replicas, clips (`placement.clip_grad_norm_` over the tp and pp groups:
-    each parameter's placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
-    rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
-    the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).
+    what the sending stage sends), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller
+    reduces them over data-parallel replicas, clips (`placement.clip_grad_norm_` over the tp and pp groups: each
+    parameter's placement names its stage) and steps the optimizer. Messages are posted in the steps of
+    `p2p_program` (the rank's program is `self.program`): a send right after its compute, a receive as early as its
+    step allows, so the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).
     """
 
     def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
