@@ -16,12 +16,14 @@ Both wrap each block rather than replace it, so parameter names, the layout tran
 
 The backend is inductor, the default. On a CPU it generates C++ and needs a C++ compiler; without one the run is
 refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another backend.
+`resolve_compile`: without --compile or --no-compile, a run compiles on CUDA (Triton installed) and not on a CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 
 import torch
 from torch import nn
@@ -64,6 +66,15 @@ def check_can_compile(device: str) -> None:
     except exc.InvalidCxxCompiler:
         raise ValueError("--compile on a CPU needs a C++ compiler (inductor generates C++), and none was found "
                           "(g++ on PATH, or $CXX); install one or leave out --compile") from None
+
+
+def resolve_compile(setting: bool | None, device: torch.device) -> bool:
+    """--compile / --no-compile as given; by default (None) on CUDA where Triton (inductor's GPU code) is installed,
+    off on a CPU: there inductor needs a C++ compiler and a first step of ~25 s of compilation, which tests and
+    notebooks do not want, and the fusion it buys is a GPU's (fp32 element-wise work is memory-bound there)."""
+    if setting is not None:
+        return setting
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:

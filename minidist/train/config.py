@@ -67,7 +67,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
     recompute: str = "none"  # activation recomputation: none, or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
     device: str = "auto"
     # parallel layout (dp None: whatever the other dimensions leave of the world size)
     dp: int | None = None
@@ -178,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
     parser.add_argument("--tp-reduce-fp32", action="store_true",
                         help="sum tensor-parallel partial results in fp32 (matters under --dtype bf16)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor; "
-                        "on a CPU it needs a C++ compiler)")
+    parser.add_argument("--compile", action="store_const", const=True, help="torch.compile each transformer block "
+                        "(inductor; on a CPU it needs a C++ compiler). Default: on CUDA (with Triton), off elsewhere")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
@@ -324,7 +325,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     _check_combinations(cfg)
     _check_data(cfg)
     try:
-        if cfg.compile:
+        if cfg.compile:  # asked for; the default (None) compiles only where it can (blocks.resolve_compile)
             check_can_compile(cfg.device)
         if cfg.inject_fault is not None:
             parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
