@@ -77,6 +77,7 @@ class TrainConfig:
     cp_impl: str = "ring"  # context-parallel attention (with cp > 1): ring, allgather, ulysses
     ep: int = 1
     zero: int = 0
+    bucket_mb: float | None = None  # gradient bucket cap in MiB (None: 25 on CUDA, 4 on a CPU)
     sp: bool = False  # sequence parallel (with tp > 1)
     tp_reduce_fp32: bool = False  # sum the tensor-parallel partial sums in fp32 (under bf16)
     schedule: str = "1f1b"  # pipeline schedule (with pp > 1)
@@ -125,6 +126,8 @@ FLAGS: list[tuple[str, str]] = [
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
+    ("--bucket-mb", "gradient bucket cap in MiB: one all-reduce or reduce-scatter per bucket (default: 25 on CUDA, "
+                    "DDP's; 4 on a CPU)"),
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
     ("--tp", "tensor-parallel degree"),
     ("--pp", "pipeline-parallel degree"),
@@ -359,6 +362,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
     if cfg.max_bytes is not None and cfg.max_bytes < 1:
         raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
+    if cfg.bucket_mb is not None and not cfg.bucket_mb * 2**20 >= 1:
+        raise ConfigError(f"bucket_mb must be > 0 (at least one byte), got {cfg.bucket_mb}")
     if cfg.comm_timeout <= 0:
         raise ConfigError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
 

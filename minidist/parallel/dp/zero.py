@@ -46,11 +46,11 @@ from torch import nn
 from minidist.comm.communicator import Comm
 from minidist.memory import PeakBytes, storage_bytes
 from minidist.parallel.dp.data_parallel import (
-    DEFAULT_BUCKET_BYTES,
     AllReduceGrads,
     DataParallel,
     GradReduction,
     assign_buckets,
+    default_bucket_bytes,
 )
 from minidist.parallel.dp.timeline import Timeline
 from minidist.parallel.dp.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
@@ -94,7 +94,7 @@ class ZeroOptimizer(GradSync):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int = 1, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, units: Sequence[nn.Module] | None = None,
+                 bucket_bytes: int | None = None, units: Sequence[nn.Module] | None = None,
                  overlap: bool = True, prefetch: bool = True, timeline: Timeline | None = None,
                  params: Sequence[tuple[str, nn.Parameter]] | None = None, grad_divisor: int | None = None) -> None:
         if stage not in (0, 1, 2, 3):
@@ -119,6 +119,8 @@ class ZeroOptimizer(GradSync):
                                                    self.transient["gathered_params"], prefetch)
         else:
             # a tied embedding's copies (first and last pipeline stage) need the same flat layout: a bucket alone
+            if bucket_bytes is None:
+                bucket_bytes = default_bucket_bytes(named[0][1].device if named else torch.device("cpu"))
             self.buckets = assign_buckets(named, bucket_bytes, pad_to=comm.size, alone=is_tied)
             self.params = FlatParams(self.buckets, comm) if stage > 0 else ParamHome()
         self.grads = DataParallel(model, comm, overlap=overlap, timeline=timeline, buckets=self.buckets,
