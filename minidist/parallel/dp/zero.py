@@ -45,7 +45,6 @@ from torch import nn
 
 from minidist.comm.communicator import Comm
 from minidist.memory import PeakBytes, storage_bytes
-from minidist.precision import FP32_COMM, CommPrecision
 from minidist.parallel.dp.data_parallel import (
     AllReduceGrads,
     DataParallel,
@@ -59,6 +58,7 @@ from minidist.parallel.dp.zero_params import FlatParams, ParamHome, ShardedParam
 from minidist.parallel.grad_sync import GradSync, OwnedRange
 from minidist.parallel.placement import GradPiece, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import is_tied
+from minidist.precision import FP32_COMM, CommPrecision
 
 # Optimizers whose update of an element reads only that element's gradient and state (and the step count), so that
 # updating slices of a parameter is exactly updating it whole (tests/test_zero.py checks each). Not: Adafactor
