@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -53,3 +54,28 @@ def check_fp32(name: str, tensor: torch.Tensor) -> None:
     would depend on the batch size and the layout."""
     if tensor.dtype != torch.float32:
         raise TypeError(f"{name} must be reduced in float32, got {tensor.dtype}")
+
+
+@dataclass(frozen=True)
+class CommPrecision:
+    """The dtypes data parallelism communicates in: one policy, read by the engines, the ledger's bytes and the
+    byte formulas (`zero_comm_bytes`). The FP8 chapter adds its gathers here.
+
+    reduce_dtype: gradient buckets, summed over micro-batches and replicas and rounded once (fp32: a bf16 sum of
+    many replicas' gradients loses the small ones).
+    gather_dtype: ZeRO-3's parameter all-gathers, once per micro-batch for the forward and again for the backward.
+    bf16 halves those bytes, the largest traffic of ZeRO-3; the cost: the weights a forward sees are bf16-rounded
+    (under bf16 autocast the matmuls round them anyway, but norms and the embedding now see bf16 weights too) and
+    their gradients arrive in bf16 (summed into fp32 buckets). The shards the optimizer updates stay fp32.
+    """
+
+    reduce_dtype: torch.dtype = torch.float32
+    gather_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_dtype", "gather_dtype"):
+            if not getattr(self, name).is_floating_point:
+                raise TypeError(f"CommPrecision.{name} must be a floating dtype, got {getattr(self, name)}")
+
+
+FP32_COMM = CommPrecision()  # every default: parity with one device, chapter 07's figures

@@ -52,3 +52,24 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
         parse_config(["--compile", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("argv, setting", [([], None), (["--compile"], True), (["--no-compile"], False),
+                                           (["--set", "compile=false"], False)])
+def test_compile_is_three_valued_and_resolved_by_device(argv, setting, monkeypatch):
+    import importlib.util
+
+    from minidist.train.blocks import resolve_compile
+
+    assert parse_config([*argv, "--device", "cuda"]).compile is setting  # cuda: no C++ compiler asked for
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else
+                        real_find_spec(name, *a))
+    # The default: compiled on CUDA (the fusion a GPU needs), eager on a CPU (tests, notebooks, CI unchanged).
+    expected = {cpu: bool(setting), cuda: setting is not False}
+    assert {device: resolve_compile(setting, device) for device in (cpu, cuda)} == expected
+    # a CUDA torch without Triton: inductor has no GPU code generator
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
+                        real_find_spec(name, *a))
+    assert resolve_compile(setting, cuda) == bool(setting)

@@ -336,3 +336,39 @@ def test_bad_layouts_give_one_line_errors(change, cp, impl, seq, tp, sp, match) 
     with pytest.raises(ValueError, match=match) as info:
         validate_context_parallel(cfg, cp, impl, seq, tp, sp)
     assert "\n" not in str(info.value)
+
+
+def test_block_kernel_by_device_dtype_and_mask() -> None:
+    from minidist.parallel.cp.blockwise import block_kernel
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert block_kernel("cuda", bf16, 128, 128, masked=False) == "flash_cuda"  # bf16 autocast on a GPU
+    assert block_kernel("cuda", torch.float16, 64, 64, masked=False) == "flash_cuda"
+    assert block_kernel("cuda", f32, 128, 128, masked=False) == "einsum"  # --dtype fp32: exact fp32, as before
+    assert block_kernel("cuda", bf16, 320, 320, masked=False) == "einsum"  # beyond FlashAttention-2's head size
+    assert block_kernel("cuda", bf16, 192, 128, masked=False) == "einsum"  # MLA's unequal q/k and v head sizes
+    assert block_kernel("cuda", bf16, 128, 128, masked=True) == "einsum"  # a mask beyond the causal triangle
+    assert block_kernel("cpu", f32, 64, 64, masked=False) == "flash_cpu"
+    assert block_kernel("cpu", f32, 64, 64, masked=True) == "einsum"
+
+
+def test_the_cuda_flash_block_keeps_shapes_and_sums_kv_head_gradients() -> None:
+    # No GPU here: the meta device runs the kernels' shape functions, so the plumbing around them (repeated kv
+    # heads, L's shape and dtype, dk/dv summed back onto the kv heads) is checked; the values need a GPU.
+    from minidist.parallel.cp.blockwise import _flash_cuda, _flash_cuda_backward
+
+    q = torch.empty(2, 8, 16, 64, dtype=torch.bfloat16, device="meta")
+    k = v = torch.empty(2, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    out, lse = _flash_cuda(q, k, v, 0.125, causal=True)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, torch.float32, (2, 8, 16), torch.float32)
+    dq, dk, dv = _flash_cuda_backward(out, q, k, v, out, lse, 0.125, causal=True)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert {dq.dtype, dk.dtype, dv.dtype} == {torch.float32}
+
+
+def test_autocast_dtype_reaches_the_blocks_only_on_cuda() -> None:
+    from minidist.parallel.cp.blockwise import in_autocast_dtype
+
+    x = torch.zeros(2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert in_autocast_dtype(x)[0].dtype == torch.float32  # a CPU computes as it always has

@@ -139,3 +139,27 @@ def test_single_rank_data_parallel_is_plain_training(one_thread) -> None:
     dp.finish_grad_sync()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_bucket_cap_defaults_by_device_and_is_a_setting(tmp_path) -> None:
+    from minidist.parallel import ZeroOptimizer
+    from minidist.parallel.dp.data_parallel import default_bucket_bytes
+    from minidist.train.config import ConfigError, parse_config
+    from minidist.train.preflight import resolve_layout
+
+    # DDP's 25 MiB on CUDA (few NCCL calls); a CPU keeps the 4 MiB of chapter 07's figures.
+    assert default_bucket_bytes(torch.device("cuda", 1)) == 25 * 2**20
+    assert default_bucket_bytes(torch.device("cpu")) == 4 * 2**20
+    # A CPU model given no cap is bucketed at 4 MiB: the small preset needs several buckets, each under the cap.
+    model = build_model(parity.CFG.replace(d_model=256, d_ff=1024, n_layers=4))
+    buckets = DataParallel(model, Comm()).buckets
+    assert [b.names for b in buckets] == [b.names for b in assign_buckets(list(model.named_parameters()), 4 * 2**20)]
+    assert len(buckets) > 1 and all(b.numel * 4 <= 4 * 2**20 or len(b.params) == 1 for b in buckets)
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), Comm(), 1, bucket_bytes=2**20)
+    assert all(b.numel * 4 <= 2**20 or len(b.params) == 1 for b in zero.buckets) and len(zero.buckets) > len(buckets)
+    # --bucket-mb: MiB, through the layout to the engines; a cap under one byte is refused in one line.
+    cfg = parse_config(["--bucket-mb", "0.5", "--out", str(tmp_path)])
+    assert resolve_layout(cfg, 1).options.bucket_bytes == 2**19
+    assert resolve_layout(parse_config(["--out", str(tmp_path)]), 1).options.bucket_bytes is None
+    with pytest.raises(ConfigError, match="bucket_mb must be > 0"):
+        parse_config(["--bucket-mb", "0"])

@@ -404,3 +404,31 @@ def test_tiny_moe_model_trains_and_reports_stats():
     assert 0.0 < stats["moe_balance_loss"] <= 4 / 2 and stats["moe_z_loss"] > 0.0
     biases = torch.stack([b.mlp.router_bias for b in model.blocks])
     assert biases.abs().sum() > 0
+
+
+def test_grouped_mm_dtype_follows_autocast_on_cuda_and_keeps_fp32_on_cpu():
+    from minidist.model.moe.dispatch import grouped_mm_dtype
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    # CUDA: the fp32 residual stream under bf16 autocast goes to grouped_mm in bf16, as autocast casts matmuls.
+    assert grouped_mm_dtype(f32, f32, "cuda", autocast_dtype=bf16) == bf16
+    assert grouped_mm_dtype(bf16, bf16, "cuda") == bf16
+    assert grouped_mm_dtype(f32, f32, "cuda") is None  # no autocast: fp32 experts on the loop, as before
+    assert grouped_mm_dtype(f32, f32, "cuda", autocast_dtype=torch.float16) is None
+    # CPU: fp32 only (rows aligned to 16 bytes), autocast or not: fp32 CPU runs are unchanged.
+    assert grouped_mm_dtype(f32, f32, "cpu", autocast_dtype=bf16) == f32
+    assert grouped_mm_dtype(f32, f32, "cpu", aligned=False) is None
+    assert grouped_mm_dtype(torch.float64, torch.float64, "cpu") is None
+
+
+def test_expert_outputs_keep_the_residual_dtype_under_autocast():
+    # Under bf16 autocast the loop's matmuls return bf16; the layer sums them into the fp32 stream (index_add
+    # takes one dtype): before, an MoE layer on the loop under bf16 autocast raised there.
+    layer = moe_layer(seed=1)
+    layer.experts.backend = "loop"
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float32
+    reference = layer(x)
+    assert (y - reference).norm() < 0.02 * reference.norm()  # bf16 rounding of the fp32 result

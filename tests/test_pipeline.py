@@ -21,6 +21,8 @@ from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import build_model, lm_loss
 from minidist.parallel.placement import clip_grad_norm_, placement_of
+from minidist.parallel.pp.nccl_model import SEND, Op, Post
+from minidist.parallel.pp.p2p import InFlight, Message
 from minidist.parallel.pp.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
 from minidist.parallel.pp.schedules import (
     SCHEDULES,
@@ -447,3 +449,44 @@ def test_a_forward_over_groups_of_blocks_equals_the_whole_forward() -> None:
     whole = model(tokens)
     assert torch.equal(logits, whole)
     assert torch.allclose(aux_parts, model.aux_loss(), rtol=1e-6) and aux_parts > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The dtype on the wire: what the sending stage sends
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bf16_step(batches: list[tuple[torch.Tensor, torch.Tensor]], pp: int) -> dict:
+    """One 1F1B step of a bf16 model (bf16 weights: a bf16 residual stream) on `pp` stages."""
+    topo = Topology(ParallelDims(pp=pp), dist.get_rank() if pp > 1 else 0, pp)
+    model = build_model(parity.CFG, seed=parity.SEED).to(torch.bfloat16)
+    stage = partition_model(model, topo.coord("pp"), pp)
+    runner = PipelineRunner(stage, topo.comm("pp") if pp > 1 else Comm(), "1f1b", len(batches))
+    stats = runner.step(batches, loss_scale=1.0)
+    return {"dtype": runner.activation_dtype, "loss": stats.loss,
+            "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+
+
+def test_a_bf16_activation_stream_travels_as_bf16() -> None:
+    # fp32 receive buffers (the old default) cannot take a bf16 stage output: half the bytes, other values. The
+    # two-stage step must be the one-rank step bit for bit: the receiver gets the sender's dtype and bits.
+    inputs, targets = parity.global_batch(0)
+    batches = list(zip(inputs.chunk(2), targets.chunk(2)))
+    reference = _bf16_step(batches, 1)
+    results = run_ranks(_bf16_step, 2, batches, 2, timeout=300)
+    assert [r["dtype"] for r in results] == [torch.bfloat16] * 2
+    assert all(r["loss"] == reference["loss"] for r in results)
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    assert grads.keys() == reference["grads"].keys()
+    for name, grad in grads.items():
+        assert grad.dtype == torch.bfloat16 and torch.equal(grad, reference["grads"][name]), name
+
+
+def test_a_message_of_another_dtype_than_the_receiver_expects_is_refused() -> None:
+    stage = partition_model(build_model(parity.CFG, seed=parity.SEED), 0, 1)
+    assert PipelineRunner(stage, Comm(), "1f1b", 2).activation_dtype == torch.float32  # fp32 weights, fp32 stream
+    wire = InFlight(Comm(), torch.float32, torch.device("cpu"))
+    message = Message(F, 0, 1)
+    post = Post((Op(SEND, 1, message),))
+    with pytest.raises(ValueError, match="is torch.bfloat16, but the receiving stage expects torch.float32"):
+        wire.post(post, lambda m: torch.zeros(2, dtype=torch.bfloat16), lambda m: (2,))

@@ -51,3 +51,33 @@ def test_recompute_activation_memory_is_one_block_input_per_block():
     # Keeping every activation: norms, q/k/v, attention output and statistics, the four [B, T, d_ff] SwiGLU
     # tensors, residuals; about 18 block inputs on this shape.
     assert per_block[False] > 10 * per_block[True]
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_recompute_counts_each_moe_routing_once(early_stop):
+    # torch's replay may stop once every saved tensor is rebuilt (early stop), before the counts; without early stop
+    # (or with an operation order that saves a tensor after them) it would count every routing a second time.
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from minidist.model.moe.stats import moe_layers, update_router_biases
+
+    cfg = get_preset("tiny", n_layers=2, **{**MODEL, "d_model": 32, "d_ff": 64},
+                     moe=dict(n_experts=4, top_k=2, d_expert=32, capacity_factor=1.0, bias_update_speed=0.01))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    counted = []
+    for recompute in (False, True):
+        model = build_model(cfg)
+        if recompute:
+            apply_recompute(model)
+        with set_checkpoint_early_stop(early_stop):
+            (lm_loss(model(tokens), tokens) + model.aux_loss()).backward()
+        layers = moe_layers(model)
+        counts = [(m.tokens_per_expert.clone(), m.step_sums.clone()) for m in layers]
+        update_router_biases(model)
+        counted.append((counts, [m.router_bias.clone() for m in layers]))
+    (plain, plain_bias), (again, again_bias) = counted
+    for (tokens_a, sums_a), (tokens_b, sums_b) in zip(plain, again):
+        torch.testing.assert_close(tokens_b, tokens_a, rtol=0, atol=0)
+        torch.testing.assert_close(sums_b, sums_a, rtol=0, atol=0)
+    for a, b in zip(plain_bias, again_bias):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

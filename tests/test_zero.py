@@ -325,3 +325,60 @@ def test_template_that_has_stepped_is_refused(one_thread) -> None:
     stepped.step()
     with pytest.raises(ValueError, match="^the template optimizer has already taken a step"):
         ZeroOptimizer(model, stepped, Comm(), 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The communication precision policy: ZeRO-3's gathers in bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _zero3_gather_run(gather_dtype: torch.dtype) -> dict:
+    """Two ZeRO-3 steps of the parity setup on this rank, gathering in `gather_dtype`: the ledger of the second
+    step, the gathered units' peak bytes, the losses and the dtypes the forward saw and the optimizer updates."""
+    import torch.distributed as dist
+
+    from minidist.comm.communicator import Ledger
+    from minidist.comm.topology import ParallelDims, Topology
+    from minidist.parallel import split_batch
+    from minidist.precision import CommPrecision
+
+    topo = Topology(ParallelDims(dp=dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+    ledger = Ledger()
+    model = build_model(parity.CFG, seed=parity.SEED)
+    zero = ZeroOptimizer(model, parity.make_optimizer(model.parameters()), topo.comm("dp_cp", ledger), 3,
+                         comm_precision=CommPrecision(gather_dtype=gather_dtype))
+    seen, losses, per_step = set(), [], []
+    model.blocks[0].register_forward_pre_hook(lambda m, args: seen.add(m.attn_norm.weight.dtype))
+    for step in range(2):
+        before = ledger.totals()
+        (x, y), = split_batch(*parity.global_batch(step), topo.coord("dp_cp"), topo.size("dp_cp"))
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        zero.step()
+        zero.zero_grad()
+        losses.append(loss.item())
+        after = ledger.totals()
+        per_step.append({op: v["bytes"] - before.get((op, g), {}).get("bytes", 0) for (op, g), v in after.items()})
+    return {"ledger": per_step[1], "peak": zero.peak_transient_bytes()["gathered_params"], "losses": losses,
+            "padded": zero.padded_numel, "seen": seen, "master": {b.param_shard.dtype for b in zero.buckets},
+            "at_rest": {p.dtype for p in model.parameters()}}
+
+
+def test_bf16_gathers_move_half_the_bytes_and_keep_fp32_masters() -> None:
+    from minidist.comm.launch import run_ranks
+
+    world = 2
+    fp32, bf16 = (run_ranks(_zero3_gather_run, world, dtype, timeout=300) for dtype in (torch.float32,
+                                                                                         torch.bfloat16))
+    for a, b in zip(fp32, bf16):
+        assert b["ledger"]["all_gather"] * 2 == a["ledger"]["all_gather"]  # half the bytes of every gather
+        assert b["ledger"]["reduce_scatter"] == a["ledger"]["reduce_scatter"]  # gradients still reduced in fp32
+        for run, size in ((a, 4), (b, 2)):
+            formula = zero_comm_bytes(run["padded"], world, 3, element_size=4, gather_element_size=size)
+            assert run["ledger"]["all_gather"] == pytest.approx(formula["all_gather"])
+            assert run["ledger"]["reduce_scatter"] == pytest.approx(formula["reduce_scatter"])
+        assert b["peak"] * 2 == a["peak"]  # the gathered units, what the memory accounting counts, halve too
+        assert (a["seen"], b["seen"]) == ({torch.float32}, {torch.bfloat16})  # what the forward computes with
+        assert a["master"] == b["master"] == a["at_rest"] == b["at_rest"] == {torch.float32}
+        assert b["losses"][0] == pytest.approx(a["losses"][0], rel=1e-2)  # bf16-rounded weights, same model
+        assert b["losses"][1] == pytest.approx(a["losses"][1], rel=2e-2)

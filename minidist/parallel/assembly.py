@@ -114,12 +114,13 @@ def parallelize(model: nn.Module, mcfg: ModelConfig, topo: Topology, options: Pa
     tied = tie_across_stages(model, topo) if topo.size("pp") > 1 else None  # before ZeRO lays out the buckets
     optimizer, grad_sync = make_optimizer(model), None
     if topo.size("ep") > 1:  # 5. data parallel in two groups: dense over dp_cp, experts over edp (ZeRO in each)
-        grad_sync = ExpertReplicas(model, optimizer, topo, stage=options.zero)
+        grad_sync = ExpertReplicas(model, optimizer, topo, stage=options.zero, bucket_bytes=options.bucket_bytes)
         optimizer = grad_sync if options.zero > 0 else optimizer
     elif options.zero > 0:  # 5. data parallel with ZeRO: the optimizer shards its state (and gradients, parameters)
-        optimizer = grad_sync = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero)
+        optimizer = grad_sync = ZeroOptimizer(model, optimizer, topo.comm("dp_cp"), stage=options.zero,
+                                              bucket_bytes=options.bucket_bytes)
     elif topo.size("dp_cp") > 1:  # 5. plain data parallel: averaged gradients, the unsharded optimizer
-        grad_sync = DataParallel(model, topo.comm("dp_cp"))
+        grad_sync = DataParallel(model, topo.comm("dp_cp"), bucket_bytes=options.bucket_bytes)
     return ParallelModel(model, optimizer, topo, loss_fn, runner, with_aux=mcfg.moe.n_experts > 0,
                          grad_sync=grad_sync, context=context, tied=tied)
 

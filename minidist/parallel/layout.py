@@ -32,6 +32,7 @@ class ParallelOptions:
     microbatches: int = 1
     virtual_stages: int = 1
     zero: int = 0  # ZeRO stage over the dp_cp group
+    bucket_bytes: int | None = None  # gradient bucket cap (None: `dp.data_parallel.default_bucket_bytes` per device)
     cp_impl: str = "ring"  # context-parallel attention: ring, allgather or ulysses
     loss_chunk: int = 0  # > 0: head + cross-entropy over chunks of this many tokens (not with tp > 1 or ZeRO-3)
 

@@ -16,15 +16,26 @@ Both wrap each block rather than replace it, so parameter names, the layout tran
 
 The backend is inductor, the default. On a CPU it generates C++ and needs a C++ compiler; without one the run is
 refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another backend.
+`resolve_compile`: without --compile or --no-compile, a run compiles on CUDA (Triton installed) and not on a CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from minidist.model.moe.layer import replaying
+from minidist.model.moe.stats import moe_layers
+
+
+def _recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+    """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing."""
+    return contextlib.nullcontext(), replaying(block)
 
 
 def _recomputed_forward(forward, *args, **kwargs):
@@ -33,9 +44,14 @@ def _recomputed_forward(forward, *args, **kwargs):
 
 
 def apply_recompute(model: nn.Module) -> nn.Module:
-    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped)."""
+    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped).
+
+    A block with MoE layers replays its forward under `replaying` (each routing counted once). Only those take the
+    context_fn: inductor accepts none but selective-checkpoint ones in a traced region, and an MoE layer's Python
+    attributes (`aux_loss`, `last_stats`) make dynamo run its block's checkpoint eagerly anyway."""
     for block in model.blocks:
-        block.forward = functools.partial(_recomputed_forward, block.forward)
+        contexts = {"context_fn": functools.partial(_recompute_contexts, block)} if moe_layers(block) else {}
+        block.forward = functools.partial(_recomputed_forward, block.forward, **contexts)
     return model
 
 
@@ -50,6 +66,15 @@ def check_can_compile(device: str) -> None:
     except exc.InvalidCxxCompiler:
         raise ValueError("--compile on a CPU needs a C++ compiler (inductor generates C++), and none was found "
                           "(g++ on PATH, or $CXX); install one or leave out --compile") from None
+
+
+def resolve_compile(setting: bool | None, device: torch.device) -> bool:
+    """--compile / --no-compile as given; by default (None) on CUDA where Triton (inductor's GPU code) is installed,
+    off on a CPU: there inductor needs a C++ compiler and a first step of ~25 s of compilation, which tests and
+    notebooks do not want, and the fusion it buys is a GPU's (fp32 element-wise work is memory-bound there)."""
+    if setting is not None:
+        return setting
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:

@@ -67,7 +67,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
     recompute: str = "none"  # activation recomputation: none, or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
     device: str = "auto"
     # parallel layout (dp None: whatever the other dimensions leave of the world size)
     dp: int | None = None
@@ -77,6 +77,7 @@ class TrainConfig:
     cp_impl: str = "ring"  # context-parallel attention (with cp > 1): ring, allgather, ulysses
     ep: int = 1
     zero: int = 0
+    bucket_mb: float | None = None  # gradient bucket cap in MiB (None: 25 on CUDA, 4 on a CPU)
     sp: bool = False  # sequence parallel (with tp > 1)
     tp_reduce_fp32: bool = False  # sum the tensor-parallel partial sums in fp32 (under bf16)
     schedule: str = "1f1b"  # pipeline schedule (with pp > 1)
@@ -126,6 +127,8 @@ FLAGS: list[tuple[str, str]] = [
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
+    ("--bucket-mb", "gradient bucket cap in MiB: one all-reduce or reduce-scatter per bucket (default: 25 on CUDA, "
+                    "DDP's; 4 on a CPU)"),
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
     ("--tp", "tensor-parallel degree"),
     ("--pp", "pipeline-parallel degree"),
@@ -181,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
     parser.add_argument("--tp-reduce-fp32", action="store_true",
                         help="sum tensor-parallel partial results in fp32 (matters under --dtype bf16)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor; "
-                        "on a CPU it needs a C++ compiler)")
+    parser.add_argument("--compile", action="store_const", const=True, help="torch.compile each transformer block "
+                        "(inductor; on a CPU it needs a C++ compiler). Default: on CUDA (with Triton), off elsewhere")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
@@ -327,7 +331,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     _check_combinations(cfg)
     _check_data(cfg)
     try:
-        if cfg.compile:
+        if cfg.compile:  # asked for; the default (None) compiles only where it can (blocks.resolve_compile)
             check_can_compile(cfg.device)
         if cfg.inject_fault is not None:
             parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
@@ -361,6 +365,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
     if cfg.max_bytes is not None and cfg.max_bytes < 1:
         raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
+    if cfg.bucket_mb is not None and not cfg.bucket_mb * 2**20 >= 1:
+        raise ConfigError(f"bucket_mb must be > 0 (at least one byte), got {cfg.bucket_mb}")
     for key in ("comm_timeout", "ckpt_timeout"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {getattr(cfg, key)}")

@@ -45,7 +45,7 @@ from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entr
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, run_dir, run_state
-from minidist.train.blocks import apply_recompute, compile_blocks
+from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
 from minidist.train.config import (
     ConfigError,
     TrainConfig,
@@ -84,7 +84,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     if layout.recompute == "full":
         apply_recompute(model)
-    if cfg.compile:
+    if resolve_compile(cfg.compile, device):
         compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
     autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
@@ -154,6 +154,7 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
         "tokens_per_step": cfg.batch_size * cfg.seq_len, "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
         "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
         "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
+        "compile": resolve_compile(cfg.compile, run.device),
     }
 
 

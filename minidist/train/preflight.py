@@ -59,7 +59,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     dp = cfg.dp if cfg.dp is not None else max(1, world_size // rest)
     options = ParallelOptions(sequence_parallel=cfg.sp, tp_reduce_fp32=cfg.tp_reduce_fp32, schedule=cfg.schedule,
                               microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, zero=cfg.zero,
-                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk)
+                              cp_impl=cfg.cp_impl, loss_chunk=cfg.loss_chunk,
+                              bucket_bytes=None if cfg.bucket_mb is None else round(cfg.bucket_mb * 2**20))
     try:
         layout = Layout(ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep), options, cfg.recompute)
         layout.dims.validate(world_size)

@@ -75,15 +75,33 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     return DispatchPlan(token, gate, counts, routed, order)
 
 
+def grouped_mm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, device_type: str,
+                     autocast_dtype: torch.dtype | None = None, aligned: bool = True) -> torch.dtype | None:
+    """The dtype torch._grouped_mm (private, torch >= 2.8) runs the experts in here, or None (the loop).
+
+    On CPU it takes fp32 operands whose rows' byte strides are multiples of 16 (`aligned`; checked on torch 2.13.0),
+    so a CPU run keeps fp32 even under bf16 autocast (the loop would round). On CUDA it takes bf16, and under bf16
+    autocast (`autocast_dtype`) the operands are cast to it as autocast casts every other matmul's: the fp32
+    residual stream alone would keep the experts on the loop of one matmul per expert."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    if device_type == "cpu":
+        return torch.float32 if x_dtype == w_dtype == torch.float32 and aligned else None
+    dtype = autocast_dtype if autocast_dtype is not None else (x_dtype if x_dtype == w_dtype else None)
+    return dtype if dtype == torch.bfloat16 else None
+
+
+def grouped_mm_operand_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
+    """`grouped_mm_dtype` of these operands under the autocast state of their device (None: the loop)."""
+    device = x.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
+    return grouped_mm_dtype(x.dtype, w.dtype, device, autocast, aligned)
+
+
 def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm (private, torch >= 2.8) takes these operands: on CPU it needs fp32 and rows whose
-    byte strides are multiples of 16 (checked on torch 2.13.0); on CUDA, bf16 on recent GPUs."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
-        return False
-    if x.device.type == "cpu":
-        aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
-        return x.dtype == torch.float32 and aligned
-    return x.dtype == torch.bfloat16
+    """Whether the "auto" backend runs these operands through torch._grouped_mm (else the loop)."""
+    return grouped_mm_operand_dtype(x, w) is not None
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -114,12 +132,15 @@ class Experts(nn.Module):
         return list(zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model]."""
-        use_grouped = self.backend == "grouped_mm" or (self.backend == "auto" and grouped_mm_works(x, self.w1))
-        if use_grouped:
+        """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model] in x's dtype (the
+        layer sums the k outputs of a token into the residual stream's dtype)."""
+        dtype = grouped_mm_operand_dtype(x, self.w1) if self.backend != "loop" else None
+        if dtype is not None or self.backend == "grouped_mm":
+            dtype = dtype or x.dtype
+            xg, w1, w3, w2 = (t.to(dtype) for t in (x, self.w1, self.w3, self.w2))
             offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.w1, offs=offsets)) * torch._grouped_mm(x, self.w3, offs=offsets)
-            return torch._grouped_mm(h, self.w2, offs=offsets)
+            h = F.silu(torch._grouped_mm(xg, w1, offs=offsets)) * torch._grouped_mm(xg, w3, offs=offsets)
+            return torch._grouped_mm(h, w2, offs=offsets).to(x.dtype)
         # split, not x[a:b] in a loop, for the same reason as unbind: its backward is one concatenation.
         outputs = [swiglu(xe, *w) for xe, w in zip(x.split(counts.tolist()), self.per_expert()) if xe.shape[0]]
-        return torch.cat(outputs) if outputs else x.new_zeros(0, self.w2.shape[-1])
+        return torch.cat(outputs).to(x.dtype) if outputs else x.new_zeros(0, self.w2.shape[-1])

@@ -3,7 +3,8 @@ boolean-mask reference its sorted dispatch must equal."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ class MoELayer(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self._last: tuple | None = None  # the last forward's figures, on the device until `last_stats` reads them
         self.seq_reduce: Callable | None = None  # context parallelism: sums over the ranks holding each sequence
+        self.counting = True  # False while activation recomputation replays a forward already counted
 
     def route(self, x: torch.Tensor) -> Routing:
         """Routing of rows x [T, d_model] in (at least) fp32 (Switch §2.4, "selective precision")."""
@@ -83,7 +85,7 @@ class MoELayer(nn.Module):
         routed = plan.routed.detach()
         tokens, slots = routing.indices.shape[0], routing.indices.numel()
         dropped = routed.sum() - plan.counts.sum()
-        if self.training:
+        if self.training and self.counting:
             with torch.no_grad():
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)
                 # In place, Python numbers as scalars: a tensor built on the host would be a copy the GPU waits on.
@@ -102,6 +104,24 @@ class MoELayer(nn.Module):
         routed, slots, dropped, balance, z = self._last
         return {"expert_load": (routed.float() / slots).cpu(), "drop_rate": int(dropped) / slots,
                 "balance_loss": float(balance), "z_loss": float(z)}
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module) -> Iterator[None]:
+    """Within the block, the MoE layers inside `module` route without counting: the context of a recomputed forward
+    (activation checkpointing runs a block's forward again in the backward; its routing was counted the first time).
+
+    torch's non-reentrant checkpoint often stops the replay before the counts (once every saved tensor is rebuilt),
+    but only by the order of the operations; this makes "count each routing once" a rule, not a coincidence."""
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    before = [m.counting for m in layers]
+    for m in layers:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m, counting in zip(layers, before):
+            m.counting = counting
 
 
 def moe_forward_naive(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ scores). The reference is plain torch (einsum), on any device and in any dtype, 
 unequal key/value head sizes. torch's public SDPA returns no L, but its CPU flash kernel,
 `aten._scaled_dot_product_flash_attention_for_cpu`, does, and its backward accepts the final O and L: on CPU, for
 equal head sizes and blocks that are wholly visible or causal on the diagonal, that fused kernel runs instead
-(`fused=None` picks it; both are checked equal in fp64). On CUDA the plain kernel runs; FlashAttention's forward
-and backward (which return and accept the log-sum-exp the same way) would plug into the same two functions.
+(`fused=None` picks it; both are checked equal in fp64). On CUDA, under bf16 autocast (the core hands the blocks
+over in the autocast dtype, `in_autocast_dtype`), FlashAttention-2 runs: `aten._scaled_dot_product_flash_attention`
+returns the log-sum-exp the same way and its backward accepts the final O and L (`block_kernel` decides).
 
 Grouped-query attention is handled by grouping the query heads, never by repeating key/value heads: query head
 j·g + i reads kv head j (g = H / H_kv), as `repeat_interleave` would lay it out. Shapes: q [B, H, Tq, d],
@@ -52,6 +53,16 @@ def no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
+def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """On CUDA under autocast, the tensors in its dtype (what SDPA gets in the plain attention, and what the fused
+    kernel takes); elsewhere unchanged, so a CPU run computes as it always has."""
+    device = tensors[0].device.type
+    if device != "cuda" or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
     """The causal mask between two sets of increasing global positions: "all" (no mask needed), "none" (skip the
     block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask, True where key <= query."""
@@ -71,9 +82,49 @@ def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.T
     return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril() if seen == "causal" else None
 
 
-def _fusable(q: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | str) -> bool:
-    """Can torch's CPU flash kernel run this block: CPU, equal head sizes, no mask beyond the causal triangle."""
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and isinstance(seen, str)
+def block_kernel(device_type: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool) -> str:
+    """Which kernel attends one block: "flash_cpu" (torch's CPU flash kernel, any float dtype), "flash_cuda"
+    (FlashAttention-2 on CUDA: bf16/fp16 inputs, head size <= 256) or "einsum" (the reference: any device, dtype,
+    mask, and MLA's unequal head sizes). `masked`: a mask beyond the causal triangle (fused kernels take none)."""
+    if masked or d_qk != d_v:
+        return "einsum"
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and d_qk <= 256:
+        return "flash_cuda"
+    return "einsum"
+
+
+def _kernel(q: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | str, fused: bool | None) -> str:
+    """`block_kernel` for these operands; `fused` False forces the reference, True the device's fused kernel."""
+    kernel = block_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1], not isinstance(seen, str))
+    if fused is None or fused == (kernel != "einsum"):
+        return kernel
+    return "einsum" if not fused else ("flash_cuda" if q.device.type == "cuda" else "flash_cpu")
+
+
+def _flash_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Partial:
+    """FlashAttention-2 (torch's CUDA kernel) on 16-bit q, k, v: (output in the accumulate dtype, fp32 L). kv heads
+    are repeated for the grouped queries (the kernel's own GQA is not relied on)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    return out.to(accumulate_dtype(q.dtype)), lse.float()
+
+
+def _flash_cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    """The backward of `_flash_cuda` given the final O and L; dk, dv summed over each kv head's query heads."""
+    b, heads, t_k, g = k.shape[0], k.shape[1], k.shape[2], q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is never read
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype), q, kr, vr, out.to(q.dtype), lse.float().contiguous(), None, None, q.shape[2], t_k, 0.0,
+        causal, seed, offset, scale=scale)
+    acc = accumulate_dtype(q.dtype)
+    return (dq.to(acc), dk.view(b, heads, g, t_k, -1).sum(2, dtype=acc),
+            dv.view(b, heads, g, t_k, -1).sum(2, dtype=acc))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -87,11 +138,15 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  seen: torch.Tensor | str = "all", fused: bool | None = None) -> Partial:
     """softmax(q kᵀ·scale) v over this block of keys only, and the log-sum-exp of each query's scores.
 
-    `seen`: "all", "causal" or a bool mask (`visibility`). `fused`: torch's CPU flash kernel (None: when it can).
-    A query row that sees no key of the block gets output 0 and log-sum-exp −inf, which `merge` weighs by 0."""
+    `seen`: "all", "causal" or a bool mask (`visibility`). `fused`: the device's fused kernel (None: when it can,
+    `block_kernel`). A query row that sees no key of the block gets output 0 and log-sum-exp −inf, which `merge`
+    weighs by 0."""
+    kernel = _kernel(q, v, seen, fused)
+    if kernel == "flash_cuda":
+        return _flash_cuda(q, k, v, scale, seen == "causal")
     acc = accumulate_dtype(q.dtype)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    if _fusable(q, v, seen) if fused is None else fused:
+    if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, seen == "causal",
                                                                               scale=scale)
         return out, lse.to(acc)
@@ -124,9 +179,12 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     (and optionally delta = rowsum(dO ⊙ O), reused across blocks): P recomputed as exp(S − L) is then this block's
     share of the full softmax. dk and dv are summed over the query heads that share each kv head. All in the
     accumulate dtype."""
+    kernel = _kernel(q, v, seen, fused)
+    if kernel == "flash_cuda":
+        return _flash_cuda_backward(dout, q, k, v, out, lse, scale, seen == "causal")
     acc = accumulate_dtype(q.dtype)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    if _fusable(q, v, seen) if fused is None else fused:
+    if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out.to(acc), lse, 0.0, seen == "causal", scale=scale)
     if delta is None:

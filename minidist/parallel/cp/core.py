@@ -35,7 +35,7 @@ from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
 from minidist.model.moe.layer import MoELayer
 from minidist.parallel.cp.allgather import allgather_attention
-from minidist.parallel.cp.blockwise import Work
+from minidist.parallel.cp.blockwise import Work, in_autocast_dtype
 from minidist.parallel.cp.ring import ring_attention
 from minidist.parallel.cp.sharding import check_divisible, shard_positions, shard_sequence
 from minidist.parallel.cp.ulysses import ulysses_attention
@@ -93,6 +93,8 @@ class ContextParallelAttention(nn.Module):
         self.work = Work()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        if self.impl in ("ring", "allgather"):  # the blocks on CUDA: FlashAttention in the autocast dtype
+            q, k, v = in_autocast_dtype(q, k, v)
         if self.impl == "ring":
             return ring_attention(q, k, v, self.comm, self.layout, scale, self.work)
         if self.impl == "allgather":

@@ -46,11 +46,11 @@ from torch import nn
 from minidist.comm.communicator import Comm
 from minidist.memory import PeakBytes, storage_bytes
 from minidist.parallel.dp.data_parallel import (
-    DEFAULT_BUCKET_BYTES,
     AllReduceGrads,
     DataParallel,
     GradReduction,
     assign_buckets,
+    default_bucket_bytes,
 )
 from minidist.parallel.dp.timeline import Timeline
 from minidist.parallel.dp.zero_grads import ReduceScatterEveryMicrobatch, ReduceScatterOnce
@@ -58,6 +58,7 @@ from minidist.parallel.dp.zero_params import FlatParams, ParamHome, ShardedParam
 from minidist.parallel.grad_sync import GradSync, OwnedRange
 from minidist.parallel.placement import GradPiece, clip_grad_norm_, placement_of
 from minidist.parallel.pp.tied import is_tied
+from minidist.precision import FP32_COMM, CommPrecision
 
 # Optimizers whose update of an element reads only that element's gradient and state (and the step count), so that
 # updating slices of a parameter is exactly updating it whole (tests/test_zero.py checks each). Not: Adafactor
@@ -94,9 +95,10 @@ class ZeroOptimizer(GradSync):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int = 1, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, units: Sequence[nn.Module] | None = None,
+                 bucket_bytes: int | None = None, units: Sequence[nn.Module] | None = None,
                  overlap: bool = True, prefetch: bool = True, timeline: Timeline | None = None,
-                 params: Sequence[tuple[str, nn.Parameter]] | None = None, grad_divisor: int | None = None) -> None:
+                 params: Sequence[tuple[str, nn.Parameter]] | None = None, grad_divisor: int | None = None,
+                 comm_precision: CommPrecision = FP32_COMM) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if stage > 0 and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
@@ -108,6 +110,7 @@ class ZeroOptimizer(GradSync):
         if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values() if state):
             raise ValueError("the template optimizer has already taken a step; build ZeroOptimizer before the first")
         self.model, self.comm, self.stage, self.grad_divisor = model, comm, stage, grad_divisor
+        self.comm_precision = comm_precision
         self.transient = {"gathered_params": PeakBytes(), "grad_buckets": PeakBytes()}
         named = [(n, p) for n, p in (params if params is not None else model.named_parameters()) if p.requires_grad]
         self.named = named
@@ -116,9 +119,12 @@ class ZeroOptimizer(GradSync):
             modules = [*reversed(list(units if units is not None else default_units(model))), None]
             self.buckets, modules = unit_buckets(named, modules, comm.size)
             self.params: ParamHome = ShardedParams(model, comm, self.buckets, modules,
-                                                   self.transient["gathered_params"], prefetch)
+                                                   self.transient["gathered_params"], prefetch,
+                                                   comm_precision.gather_dtype)
         else:
             # a tied embedding's copies (first and last pipeline stage) need the same flat layout: a bucket alone
+            if bucket_bytes is None:
+                bucket_bytes = default_bucket_bytes(named[0][1].device if named else torch.device("cpu"))
             self.buckets = assign_buckets(named, bucket_bytes, pad_to=comm.size, alone=is_tied)
             self.params = FlatParams(self.buckets, comm) if stage > 0 else ParamHome()
         self.grads = DataParallel(model, comm, overlap=overlap, timeline=timeline, buckets=self.buckets,
@@ -128,12 +134,13 @@ class ZeroOptimizer(GradSync):
     # -- construction ---------------------------------------------------------------------------------------------
 
     def _reduction(self) -> GradReduction:
+        reduce_dtype = self.comm_precision.reduce_dtype
         if self.stage == 0:
-            return AllReduceGrads(self.comm, divisor=self.grad_divisor)
+            return AllReduceGrads(self.comm, reduce_dtype, divisor=self.grad_divisor)
         if self.stage == 1:
-            return ReduceScatterOnce(self.comm, divisor=self.grad_divisor)
-        return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], after_launch=self.params.release,
-                                            divisor=self.grad_divisor)
+            return ReduceScatterOnce(self.comm, reduce_dtype, divisor=self.grad_divisor)
+        return ReduceScatterEveryMicrobatch(self.comm, self.transient["grad_buckets"], reduce_dtype,
+                                            after_launch=self.params.release, divisor=self.grad_divisor)
 
     def _owned_slices(self) -> Iterator[tuple[nn.Parameter, int, torch.Tensor, torch.Tensor]]:
         """(parameter, the first of its flattened elements in this rank's slice, its slice of this rank's parameter

@@ -29,8 +29,10 @@ def zero_memory_bytes(n_params: int, dp: int, stage: int, optimizer_bytes_per_pa
 
 
 def zero_comm_bytes(n_params: int, dp: int, stage: int, microbatches: int = 1,
-                    element_size: int = 4) -> dict[str, float]:
+                    element_size: int = 4, gather_element_size: int | None = None) -> dict[str, float]:
     """Bytes each rank sends per optimizer step, by collective, for `n_params` elements (ring algorithms).
+    `element_size`: the gradients' reduce dtype (and the parameters' at stages 1-2); `gather_element_size`: stage
+    3's parameter gathers (`precision.CommPrecision.gather_dtype`; default element_size).
 
     all-reduce sends 2(N-1)/N·M, reduce-scatter and all-gather (N-1)/N·M each, M = Ψ·element_size:
         stage 0   all-reduce once (gradient accumulation communicates on the last micro-batch only)
@@ -40,8 +42,9 @@ def zero_comm_bytes(n_params: int, dp: int, stage: int, microbatches: int = 1,
     """
     check_zero_stage(stage)
     one = (dp - 1) / dp * n_params * element_size
+    gathered = one if gather_element_size is None else one * gather_element_size / element_size
     m = microbatches
     return {0: {"all_reduce": 2 * one},
             1: {"reduce_scatter": one, "all_gather": one},
             2: {"reduce_scatter": m * one, "all_gather": one},
-            3: {"reduce_scatter": m * one, "all_gather": 2 * m * one}}[stage]
+            3: {"reduce_scatter": m * one, "all_gather": 2 * m * gathered}}[stage]

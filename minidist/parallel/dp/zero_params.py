@@ -81,15 +81,17 @@ class _Unit:
     """A stage-3 gather unit: its bucket (the flat layout, and `param_shard`) and the gathered full buffer, whose
     storage exists only while the unit is gathered."""
 
-    def __init__(self, bucket: Bucket, comm: Comm) -> None:
+    def __init__(self, bucket: Bucket, comm: Comm, gather_dtype: torch.dtype | None = None) -> None:
         self.bucket = bucket
         params = bucket.params
-        self.full = torch.zeros(bucket.padded, dtype=params[0].dtype, device=params[0].device)
-        self.views = bucket.views(self.full)
-        for view, param in zip(self.views, params):
+        flat = torch.zeros(bucket.padded, dtype=params[0].dtype, device=params[0].device)
+        for view, param in zip(bucket.views(flat), params):
             view.copy_(param.detach())
         start, stop = bucket.shard_range(comm.rank, comm.size)
-        bucket.param_shard = self.full[start:stop].clone()
+        bucket.param_shard = flat[start:stop].clone()  # the master slice, in the parameters' dtype
+        # The gathered copy, in the policy's gather dtype (`precision.CommPrecision`): what forward and backward see.
+        self.full = torch.zeros(bucket.padded, dtype=gather_dtype or params[0].dtype, device=params[0].device)
+        self.views = bucket.views(self.full)
         self.full.untyped_storage().resize_(0)
         for param in params:
             param.data = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
@@ -106,12 +108,12 @@ class ShardedParams(ParamHome):
     """
 
     def __init__(self, model: nn.Module, comm: Comm, buckets: list[Bucket], modules: list[nn.Module | None],
-                 transient: PeakBytes, prefetch: bool = True) -> None:
+                 transient: PeakBytes, prefetch: bool = True, gather_dtype: torch.dtype | None = None) -> None:
         self.comm = comm
         self.buckets = buckets
         self.transient = transient
         self.prefetch = prefetch
-        self.units = [_Unit(bucket, comm) for bucket in buckets]
+        self.units = [_Unit(bucket, comm, gather_dtype) for bucket in buckets]
         roots = [u for u, m in zip(self.units, modules) if m is None]  # the root unit, if it has parameters
         blocks = [u for u, m in zip(self.units, modules) if m is not None]
         self.forward_order = [*roots, *reversed(blocks)]
@@ -158,7 +160,8 @@ class ShardedParams(ParamHome):
             return
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
         self.transient.add(unit.full.nbytes)
-        unit.pending = self.comm.all_gather(unit.bucket.param_shard, out=unit.full, async_op=True)
+        shard = unit.bucket.param_shard.to(unit.full.dtype)  # no copy when the policy gathers the master dtype
+        unit.pending = self.comm.all_gather(shard, out=unit.full, async_op=True)
 
     def _gather(self, unit: _Unit) -> None:
         """Make the unit's full parameters available (wait for a prefetch, or gather now)."""
@@ -176,7 +179,7 @@ class ShardedParams(ParamHome):
             self._gather(unit)
         if not unit.gathered:
             return
-        empty = torch.empty(0, dtype=unit.full.dtype, device=unit.full.device)
+        empty = torch.empty(0, dtype=unit.bucket.param_shard.dtype, device=unit.full.device)  # at rest: master dtype
         for param in unit.bucket.params:
             param.data = empty
         self.transient.sub(unit.full.nbytes)

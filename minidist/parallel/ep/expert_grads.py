@@ -41,7 +41,8 @@ class ExpertReplicas(GradSync):
     At stage 0 it stays the optimizer and this object only reduces gradients; at stages 1-3 this object is also the
     optimizer (each engine rebuilt the template over its own shard)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, stage: int = 0) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, stage: int = 0, *,
+                 bucket_bytes: int | None = None) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         experts = [(n, p) for n, p in named if is_expert_param(p)]
         dense = [(n, p) for n, p in named if not is_expert_param(p)]
@@ -49,12 +50,14 @@ class ExpertReplicas(GradSync):
         self.model, self.named, self.stage = model, named, stage
         self.engines: list[GradSync]
         if stage > 0:
-            self.engines = [ZeroOptimizer(model, optimizer, dp_cp, stage, params=dense),
-                            ZeroOptimizer(model, optimizer, edp, stage, params=experts, grad_divisor=replicas)]
+            self.engines = [ZeroOptimizer(model, optimizer, dp_cp, stage, params=dense, bucket_bytes=bucket_bytes),
+                            ZeroOptimizer(model, optimizer, edp, stage, params=experts, grad_divisor=replicas,
+                                          bucket_bytes=bucket_bytes)]
             self.norm_comms: dict[str, Comm] = {"dp_cp": dp_cp}
         else:
-            self.engines = [DataParallel(model, dp_cp, params=dense),
-                            DataParallel(model, edp, params=experts, reduction=AllReduceGrads(edp, divisor=replicas))]
+            self.engines = [DataParallel(model, dp_cp, params=dense, bucket_bytes=bucket_bytes),
+                            DataParallel(model, edp, params=experts, reduction=AllReduceGrads(edp, divisor=replicas),
+                                         bucket_bytes=bucket_bytes)]
             self.norm_comms = {"ep": topo.comm("ep")}
 
     # -- the gradient reduction -------------------------------------------------------------------------------------

@@ -148,8 +148,12 @@ class InFlight:
         recvs = [op for op in post.ops if op.kind == RECV]
         sends = [op for op in post.ops if op.kind == SEND]
         buffers = {op.message: torch.empty(shape(op.message), dtype=self.dtype, device=self.device) for op in recvs}
-        handles = self.comm.exchange([(outgoing(op.message), op.peer) for op in sends],
-                                     [(buffers[op.message], op.peer) for op in recvs])
+        sent = [(outgoing(op.message), op.peer) for op in sends]
+        for (tensor, _), op in zip(sent, sends):  # the peer receives into a buffer of self.dtype: bytes, not values
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"pipeline message {op.message} is {tensor.dtype}, but the receiving stage expects "
+                                 f"{self.dtype}; give the runner that activation_dtype")
+        handles = self.comm.exchange(sent, [(buffers[op.message], op.peer) for op in recvs])
         # gloo gives one handle per operation (receives first), NCCL one for the whole group: a message waits on its
         # own handle where it has one, else on the group's.
         ops = recvs + sends

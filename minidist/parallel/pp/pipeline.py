@@ -245,20 +245,33 @@ def _due_by_action(program: list[Planned], n_actions: int) -> list[list[Post | W
     return due
 
 
+def residual_dtype(stage: nn.Module) -> torch.dtype:
+    """The dtype of the hidden states (and their gradients) between stages: the stage's parameters' dtype.
+
+    The embedding's output has its weight's dtype and every residual addition promotes a block's output back to it,
+    so under bf16 autocast (fp32 weights, bf16 matmuls) the stream stays fp32, and bf16 weights make it bf16. Every
+    stage holds the same parameter dtype, so sender and receiver agree without a message."""
+    dtypes = {p.dtype for p in stage.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        raise ValueError(f"a pipeline stage needs one parameter dtype for the activations it sends, got "
+                         f"{sorted(map(str, dtypes)) or 'none'}")
+    return dtypes.pop()
+
+
 class PipelineRunner:
     """Runs one pipeline rank's action list for a step of `microbatches` micro-batches.
 
     `comm` is this rank's pipeline group (`topology.comm("pp", ledger)`); peers are pipeline ranks. Receive buffers
-    are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (the residual stream stays fp32
-    under bf16 autocast), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller reduces
-    them over data-parallel replicas, clips (`placement.clip_grad_norm_` over the tp and pp groups: each parameter's
-    placement names its stage) and steps the optimizer. Messages are posted in the steps of `p2p_program` (the
-    rank's program is `self.program`): a send right after its compute, a receive as early as its step allows, so
-    the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).
+    are `activation_shape(tokens)` (default [B, T, d_model]) of `activation_dtype` (default `residual_dtype(stage)`:
+    what the sending stage sends), on the inputs' device. Gradients accumulate into the stage's `.grad`s; the caller
+    reduces them over data-parallel replicas, clips (`placement.clip_grad_norm_` over the tp and pp groups: each
+    parameter's placement names its stage) and steps the optimizer. Messages are posted in the steps of
+    `p2p_program` (the rank's program is `self.program`): a send right after its compute, a receive as early as its
+    step allows, so the message can travel while the rank computes. Each action kind has one handler (`_HANDLERS`).
     """
 
     def __init__(self, stage: StageModule, comm: Comm, schedule: str, microbatches: int,
-                 virtual_stages: int | None = None, *, activation_dtype: torch.dtype = torch.float32,
+                 virtual_stages: int | None = None, *, activation_dtype: torch.dtype | None = None,
                  activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
                  measure_memory: bool = False, with_aux: bool = False) -> None:
         v = stage.virtual_stages if virtual_stages is None else virtual_stages
@@ -270,7 +283,7 @@ class PipelineRunner:
         schedules = build_schedule(schedule, stage.pp, microbatches, v)
         self.actions: list[Action] = schedules[stage.pp_rank]
         self.program: list[Planned] = p2p_program(schedules)[stage.pp_rank]
-        self.activation_dtype = activation_dtype
+        self.activation_dtype = activation_dtype or residual_dtype(stage)
         d_model = stage.cfg.d_model
         self.activation_shape = activation_shape or (lambda tokens: (*tokens.shape, d_model))
         self.saved = _SavedBytes(stage.parameters()) if measure_memory else None
