@@ -69,7 +69,7 @@ def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
                                 device_id=device if device.type == "cuda" else None,
                                 world_size=env.world_size, timeout=timeout)
         created = True
-    return Topology(dims, env.rank, env.world_size, timeout=timeout, recorder=recorder), created
+    return Topology(dims, env.rank, env.world_size, timeout=timeout, recorder=recorder, device=device), created
 
 
 @contextlib.contextmanager

@@ -95,8 +95,8 @@ class ParallelDims:
 
 
 def rank_grid(dims: ParallelDims) -> torch.Tensor:
-    """All ranks laid out as an int tensor of shape (pp, dp, cp, tp), tp fastest."""
-    return torch.arange(dims.world_size).reshape(dims.shape)
+    """All ranks laid out as an int tensor of shape (pp, dp, cp, tp), tp fastest (on the host: bookkeeping)."""
+    return torch.arange(dims.world_size, device="cpu").reshape(dims.shape)
 
 
 def coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
@@ -149,11 +149,13 @@ class Topology:
     created (`group()` returns None and `minidist.comm.communicator.Comm` treats the group as a single rank).
     `timeout`: how long any collective of the groups made here may wait for a peer before it raises (None: torch's
     default, 30 min under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
-    `recorder`: the flight recorder every `comm()` records into (None: no recording).
+    `recorder`: the flight recorder every `comm()` records into (None: no recording). `device`: the rank's compute
+    device; every `comm()` then refuses a tensor elsewhere (`Comm.expect_device`), as NCCL would on a GPU.
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int,
-                 timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None) -> None:
+                 timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None,
+                 device: torch.device | str | None = None) -> None:
         dims.validate(world_size)
         if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
             actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
@@ -161,6 +163,7 @@ class Topology:
                              f"{world_size} ranks (it has {actual})")
         self.dims = dims
         self.recorder = recorder  # every Comm of `comm()` records its calls here (minidist.comm.recorder)
+        self.device = torch.device(device) if device is not None else None
         self.rank = rank
         self.world_size = world_size
         self.coords = coordinates(dims, rank)
@@ -206,7 +209,7 @@ class Topology:
 
     def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
         """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
-        return Comm(self.group(name), ledger, name=name, recorder=self.recorder)
+        return Comm(self.group(name), ledger, name=name, recorder=self.recorder, expect_device=self.device)
 
     @property
     def pp_prev_rank(self) -> int | None:

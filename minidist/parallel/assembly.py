@@ -175,7 +175,7 @@ class ParallelModel:
         no_sync = self._grad_sync.no_sync
         if self.runner is not None:
             stats = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale, positions=positions)
-            loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64), stats.aux_loss
+            loss_sum, aux = torch.as_tensor(stats.loss, dtype=torch.float64, device=count.device), stats.aux_loss
         else:
             loss_sum, aux = self._accumulate(batches, positions, autocast, no_sync, loss_scale)
         # One all-reduce: the loss sum, and the balancing losses (a per-replica mean: their average is the global)

@@ -87,7 +87,8 @@ class MoELayer(nn.Module):
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)
                 dropped = routed.sum() - plan.counts.sum()
                 sums = [*routed, dropped, per_sequence.sum(), per_sequence.numel(), z * tokens, tokens]
-                self.step_sums += torch.stack([torch.as_tensor(v).to(self.step_sums) for v in sums])
+                here = self.step_sums.device  # the Python numbers too: made where the sums live
+                self.step_sums += torch.stack([torch.as_tensor(v, device=here).to(self.step_sums) for v in sums])
         self.last_stats = {
             "expert_load": (routed.float() / slots).cpu(),
             "drop_rate": plan.dropped / slots,
