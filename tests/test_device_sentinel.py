@@ -7,10 +7,12 @@ over replicas), and a checkpoint and its resume. One launch per world size (2 an
 the one-process run logs (losses, gradient norms, the validation loss, MoE's balancing loss), so the run under the
 sentinel is a parity run too.
 
-Before issue 24's fixes this failed in every layout: the rank grid, the parameters' initial values, the data
-sampler and RoPE's frequencies were made without a device (on meta here), then the replica check's hashes
-(`replicas.compare`, NCCL: "No backend type associated with device type cpu"), the pipeline's loss sum, MoE's step
-statistics and the checkpoint's runs.
+On the code before issue 24's fixes every layout failed, first at the rank grid; with the other fixes in place,
+each one left out failed: the parameters' initial values and RoPE's frequencies (every layout), the data sampler
+(every layout: torch alone indexes the corpus with meta offsets and returns garbage rows), the replica check's
+hashes (every layout with a replicated tensor: "all_gather on dp_cp: a tensor (1,) on meta, but this Comm expects
+cpu", on NCCL "No backend type associated with device type cpu"), the pipeline's loss sum (pp), MoE's step
+statistics (MoE) and the checkpoint's runs (the checkpointed run). Host-side bookkeeping now says device="cpu".
 """
 
 from __future__ import annotations
