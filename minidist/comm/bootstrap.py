@@ -96,7 +96,7 @@ def init_distributed(dims: ParallelDims, env: DistEnv, device: torch.device,
         created = True
     ckpt_timeout = datetime.timedelta(seconds=ckpt_timeout_s) if ckpt_timeout_s is not None else None
     return Topology(dims, env.rank, env.world_size, timeout=timeout, recorder=recorder,
-                    ckpt_timeout=ckpt_timeout), created
+                    ckpt_timeout=ckpt_timeout, device=device), created
 
 
 @contextlib.contextmanager

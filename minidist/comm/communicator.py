@@ -160,10 +160,11 @@ class Comm:
     is not; a single-rank Comm makes every collective the identity without touching torch.distributed. Every
     collective returns its output tensor, or with `async_op=True` a `Handle` whose `wait()` returns it.
 
-    Test mode: with `expect_device` (and `expect_dtypes`), or inside `with comm.expecting(device, dtypes):`, every
-    tensor handed to a collective or point-to-point call must live on that device with one of those dtypes, or the
-    call raises before it communicates. NCCL takes only tensors on the rank's GPU, and both ends of a message must
-    agree on its dtype; a CPU test run with device "cpu" checks the same discipline where no GPU is.
+    Device and dtype check: with `expect_device` (and `expect_dtypes`), or inside `with comm.expecting(device,
+    dtypes):`, every tensor handed to a collective or point-to-point call must live on that device with one of those
+    dtypes, or the call raises before it communicates. NCCL takes only tensors on the rank's GPU, and both ends of a
+    message must agree on its dtype; a CPU run with device "cpu" checks the same discipline where no GPU is. The
+    Comms of a `Topology` built with a device (the trainer's) always check it; `device` is where to make tensors.
 
     Flight recorder: with `recorder` (a `minidist.comm.recorder.FlightRecorder`), every call of a group of two or
     more ranks is appended to it (op, shapes, dtype, peer, call site) before it communicates.
@@ -191,6 +192,11 @@ class Comm:
         self.name = name
         self.recorder = recorder if self.size > 1 else None  # a group of one never waits for anybody
         self._ranks_key = tuple(self.ranks)
+
+    @property
+    def device(self) -> torch.device:
+        """Where a tensor for this Comm is made: the device it expects (the rank's compute device), else the CPU."""
+        return self.expect_device if self.expect_device is not None else torch.device("cpu")
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's member number `group_rank`."""

@@ -95,8 +95,8 @@ class ParallelDims:
 
 
 def rank_grid(dims: ParallelDims) -> torch.Tensor:
-    """All ranks laid out as an int tensor of shape (pp, dp, cp, tp), tp fastest."""
-    return torch.arange(dims.world_size).reshape(dims.shape)
+    """All ranks laid out as an int tensor of shape (pp, dp, cp, tp), tp fastest (on the host: bookkeeping)."""
+    return torch.arange(dims.world_size, device="cpu").reshape(dims.shape)
 
 
 def coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
@@ -152,11 +152,14 @@ class Topology:
     `recorder`: the flight recorder every `comm()` records into (None: no recording).
     `ckpt_timeout`: when given, one more group over every rank with this timeout (`checkpoint_comm`), for the
     barriers that wait while ranks write and hash files: a slow filesystem must not hit the collectives' timeout.
+    `device`: the rank's compute device; every `comm()` then refuses a tensor elsewhere (`Comm.expect_device`), as
+    NCCL would on a GPU.
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_size: int,
                  timeout: datetime.timedelta | None = None, recorder: FlightRecorder | None = None,
-                 ckpt_timeout: datetime.timedelta | None = None) -> None:
+                 ckpt_timeout: datetime.timedelta | None = None,
+                 device: torch.device | str | None = None) -> None:
         dims.validate(world_size)
         if world_size > 1 and not (dist.is_initialized() and dist.get_world_size() == world_size):
             actual = dist.get_world_size() if dist.is_initialized() else "not initialised"
@@ -164,6 +167,7 @@ class Topology:
                              f"{world_size} ranks (it has {actual})")
         self.dims = dims
         self.recorder = recorder  # every Comm of `comm()` records its calls here (minidist.comm.recorder)
+        self.device = torch.device(device) if device is not None else None
         self.rank = rank
         self.world_size = world_size
         self.coords = coordinates(dims, rank)
@@ -212,11 +216,11 @@ class Topology:
 
     def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
         """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
-        return Comm(self.group(name), ledger, name=name, recorder=self.recorder)
+        return Comm(self.group(name), ledger, name=name, recorder=self.recorder, expect_device=self.device)
 
     def checkpoint_comm(self) -> Comm:
         """A `Comm` over every rank whose timeout is the checkpoint's (`ckpt_timeout`; the world's without one)."""
-        return Comm(self._checkpoint_group, name="checkpoint", recorder=self.recorder)
+        return Comm(self._checkpoint_group, name="checkpoint", recorder=self.recorder, expect_device=self.device)
 
     @property
     def pp_prev_rank(self) -> int | None:

@@ -226,7 +226,7 @@ def _load_npy(path: Path) -> bytes:
 def _to_tensor(data: bytes) -> torch.Tensor:
     # bytearray gives torch a writable buffer it owns: the cached bytes stay untouched whatever callers do.
     if not data:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -334,13 +334,14 @@ class BatchSampler:
         self.global_batch = global_batch
         self.seed = seed
         self.step = 0  # the next step next_batch() / __next__ produces
-        self._window = torch.arange(seq_len + 1)
+        # Rows are cut on the host (a CPU generator decides the offsets); the trainer moves each batch to its device.
+        self._window = torch.arange(seq_len + 1, device="cpu")
 
     def _offsets(self, step: int) -> torch.Tensor:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         g = torch.Generator().manual_seed(_step_seed(self.seed, step))
-        return torch.randint(0, self.tokens.numel() - self.seq_len, (self.global_batch,), generator=g)
+        return torch.randint(0, self.tokens.numel() - self.seq_len, (self.global_batch,), generator=g, device="cpu")
 
     def _rows(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.tokens[offsets[:, None] + self._window].long()

@@ -108,7 +108,7 @@ def _tp_init_per_rank_rng() -> contextlib.AbstractContextManager:
             for param in model.parameters():
                 if placement_of(param).splits["tp"].dim is not None:
                     std = param.std().item()
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+                    param.copy_(torch.randn(param.shape, generator=generator, device="cpu") * std)  # CPU generator
         return model
     return mock.patch.object(tensor_parallel, "apply_tensor_parallel", apply)
 
@@ -142,7 +142,7 @@ def _sample_mean() -> contextlib.AbstractContextManager:
         return loss / counted * targets.numel()  # this micro-batch's mean, weighted by its positions
 
     def count_targets(batches):  # every position counts: the step's loss is the mean of micro-batch means
-        return torch.tensor(float(sum(t.numel() for _, t in batches)), dtype=torch.float64)
+        return torch.tensor(float(sum(t.numel() for _, t in batches)), dtype=torch.float64, device=batches[0][1].device)
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(assembly, "lm_loss", lm_loss))
     stack.enter_context(mock.patch.object(assembly, "count_targets", count_targets))

@@ -64,9 +64,9 @@ def init_value(name: str, shape: torch.Size | tuple[int, ...], cfg: ModelConfig,
     std = init_std(name, cfg)
     if std is None:
         leaf = name.rsplit(".", 1)[-1]
-        return torch.zeros(shape) if leaf == "bias" else torch.ones(shape)
+        return torch.zeros(shape, device="cpu") if leaf == "bias" else torch.ones(shape, device="cpu")
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.randn(tuple(shape), generator=generator).mul_(std)  # in place: one full tensor at a time
+    return torch.randn(tuple(shape), generator=generator, device="cpu").mul_(std)  # in place: one full tensor at a time
 
 
 def init_shard(name: str, full_shape: torch.Size | tuple[int, ...], cfg: ModelConfig, seed: int,

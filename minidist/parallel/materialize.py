@@ -62,7 +62,8 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: str | tor
         param._backward_hooks = hooks  # dict moved with __dict__, setting it registers them on the new data
     for name, module in list(model.named_modules()):
         if isinstance(module, RotaryEmbedding):  # buffers computed at construction: compute them again here
-            model.set_submodule(name, RotaryEmbedding(cfg).to(device))
+            with torch.device("cpu"):  # from the formula on the host, as at construction: the same bits anywhere
+                model.set_submodule(name, RotaryEmbedding(cfg).to(device))
         for key, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_meta and key in ZERO_BUFFERS:
                 setattr(module, key, torch.zeros_like(buffer, device=device))

@@ -72,18 +72,19 @@ INSIDE = {"dp_cp": {"dp_cp", "dp", "cp", "ep", "edp"}, "edp": {"edp"}}
 
 
 def block_runs(full_shape: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """[n, 2] int64 runs of the row-major block `shape` at `offsets` of a tensor of `full_shape`."""
+    """[n, 2] int64 runs of the row-major block `shape` at `offsets` of a tensor of `full_shape` (runs are index
+    bookkeeping, on the host whatever the model's device)."""
     strides = [1] * len(full_shape)
     for d in range(len(full_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * full_shape[d + 1]
     cut = [d for d in range(len(full_shape)) if shape[d] != full_shape[d]]
-    numel = int(torch.tensor(shape, dtype=torch.int64).prod()) if shape else 1
+    numel = int(torch.tensor(shape, dtype=torch.int64, device="cpu").prod()) if shape else 1
     if not cut:
-        return torch.tensor([[0, numel]], dtype=torch.int64)
+        return torch.tensor([[0, numel]], dtype=torch.int64, device="cpu")
     k = cut[-1]  # dims after k are whole: each run spans shape[k] of them
-    starts = torch.tensor([sum(o * s for o, s in zip(offsets, strides))], dtype=torch.int64)
+    starts = torch.tensor([sum(o * s for o, s in zip(offsets, strides))], dtype=torch.int64, device="cpu")
     for d in range(k):  # outer dims, outermost first: row-major order of the runs
-        starts = (starts[:, None] + torch.arange(shape[d], dtype=torch.int64) * strides[d]).reshape(-1)
+        starts = (starts[:, None] + torch.arange(shape[d], dtype=torch.int64, device="cpu") * strides[d]).reshape(-1)
     return torch.stack([starts, torch.full_like(starts, shape[k] * strides[k])], dim=1)
 
 
@@ -123,9 +124,10 @@ def compress(runs: torch.Tensor) -> list[list[int]]:
 
 def expand(groups: list[list[int]]) -> torch.Tensor:
     """The inverse of `compress`."""
-    parts = [torch.stack([s + torch.arange(c, dtype=torch.int64) * st, torch.full((c,), n, dtype=torch.int64)], 1)
-             for s, n, c, st in groups]
-    return torch.cat(parts) if parts else torch.zeros((0, 2), dtype=torch.int64)
+    host = torch.device("cpu")
+    parts = [torch.stack([s + torch.arange(c, dtype=torch.int64, device=host) * st,
+                          torch.full((c,), n, dtype=torch.int64, device=host)], 1) for s, n, c, st in groups]
+    return torch.cat(parts) if parts else torch.zeros((0, 2), dtype=torch.int64, device=host)
 
 
 def copy_runs(dst: torch.Tensor, dst_runs: torch.Tensor, src: torch.Tensor, src_runs: torch.Tensor) -> int:
@@ -199,8 +201,8 @@ def local_pieces(parallel: ParallelModel, topo: Topology) -> list[Piece]:
     for name in model.state_dict():
         if name in names:  # persistent buffers (router biases): whole on every rank of their stage
             buf = names[name]
-            pieces.append(Piece(name, tuple(buf.shape), torch.tensor([[0, buf.numel()]]), buf.view(-1), None, None,
-                                first))
+            runs = torch.tensor([[0, buf.numel()]], device="cpu")
+            pieces.append(Piece(name, tuple(buf.shape), runs, buf.view(-1), None, None, first))
     return pieces
 
 
@@ -233,7 +235,7 @@ def pieces_to_save(parallel: ParallelModel, topo: Topology) -> tuple[list[dict],
             if isinstance(item, torch.Tensor) and item.numel() == piece.value.numel() and item.dim() > 0:
                 saved[kind] = item.view(-1)
             elif isinstance(item, torch.Tensor | int | float):
-                saved[kind] = torch.as_tensor(item).detach().clone().cpu()
+                saved[kind] = torch.as_tensor(item, device="cpu").detach().clone()
         index.append({"name": piece.name, "shape": list(piece.full_shape), "kinds": sorted(saved),
                       "position": len(tensors), "runs": compress(piece.runs)})
         tensors.append(saved)
@@ -281,7 +283,7 @@ class PieceReader:
               and _int_lists(entry.get("runs"), 2))
         if not ok:
             raise ValueError(f"{where} is malformed (name, file, position, shape, kinds, runs)")
-        numel = int(torch.tensor(entry["shape"], dtype=torch.int64).prod()) if entry["shape"] else 1
+        numel = int(torch.tensor(entry["shape"], dtype=torch.int64, device="cpu").prod()) if entry["shape"] else 1
         groups = entry["runs"]
         if any(len(g) != 4 or g[1] < 1 or g[2] < 1 or g[3] < 0 for g in groups) or sum(g[2] for g in groups) > numel:
             raise ValueError(f"{where} of {entry['name']} has run groups that are not [start, length >= 1, count "
@@ -395,10 +397,10 @@ def read_full(checkpoint_step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
             continue
         shape = tuple(entries[0]["shape"])
         written = sum(int(e["runs"][:, 1].sum()) for e in entries)
-        full = torch.empty(shape, dtype=reader.tensor(entries[0], kind).dtype)
+        full = torch.empty(shape, dtype=reader.tensor(entries[0], kind).dtype, device="cpu")
         if written != full.numel():
             raise ValueError(f"checkpoint {step_dir.name} writes {written} elements of {name} ({kind}), which has "
                              f"{full.numel()}: each must be written exactly once")
-        reader.fill(name, shape, torch.tensor([[0, full.numel()]]), full.view(-1), kind)
+        reader.fill(name, shape, torch.tensor([[0, full.numel()]], device="cpu"), full.view(-1), kind)
         out[name] = full
     return out

@@ -93,12 +93,13 @@ def replicated_names(model: nn.Module, params_sharded: bool = False) -> list[str
 def compare(group: str, entries: list[Entry], comm: Comm) -> None:
     """All-gather each entry's hash over `comm`; raise ReplicasDiffer naming the ranks and the first differing
     tensor (in name order). Collective over the group: every member calls it with the same names."""
-    counts = comm.all_gather(torch.tensor([len(entries)], dtype=torch.int64))
+    counts = comm.all_gather(torch.tensor([len(entries)], dtype=torch.int64, device=comm.device))
     if len(set(counts.tolist())) > 1:
         raise ReplicasDiffer(f"replicas differ over {group}: ranks {comm.ranks} hold {counts.tolist()} tensors "
                              "that should be replicated")
     mine = [tensor_hash(e.tensor) for e in entries] + [e.key for e in entries]
-    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64)).reshape(comm.size, 2 * len(entries)).tolist()
+    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64, device=comm.device))
+    rows = rows.reshape(comm.size, 2 * len(entries)).tolist()
     for i, entry in enumerate(entries):
         classes: dict[int, list[int]] = defaultdict(list)  # slice key -> group ranks holding that slice
         for r, row in enumerate(rows):

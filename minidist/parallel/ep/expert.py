@@ -216,8 +216,8 @@ def expected_ep_bytes(counts: torch.Tensor, n_experts: int, rank: int, d_model: 
         bytes = 8 · (ep − 1) · N/ep + (1 + backward) · (Σ_{j≠r} send[j] + Σ_{j≠r} recv[j]) · d_model · element_size
     """
     ep = counts.shape[0]
-    owner = expert_owner(torch.arange(n_experts), n_experts, ep)
-    send = torch.zeros(ep, dtype=torch.long).index_add(0, owner, counts[rank].long())
+    owner = expert_owner(torch.arange(n_experts, device=counts.device), n_experts, ep)
+    send = torch.zeros(ep, dtype=torch.long, device=counts.device).index_add(0, owner, counts[rank].long())
     recv = counts[:, owner == rank].long().sum(1)
     rows = int(send.sum() - send[rank] + recv.sum() - recv[rank])
     return 8 * (ep - 1) * (n_experts // ep) + (1 + int(backward)) * rows * d_model * element_size
