@@ -258,7 +258,7 @@ def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, starte
     the records of the steps before it."""
     metrics.synchronize(run.device)
     seconds = (time.perf_counter() - started) / len(pending)
-    values = metrics.read_figures([p["device"] for p in pending])
+    values = metrics.read_figures([p["device"] for p in pending], run.device)
     peak_mem = metrics.peak_memory_per_rank(run.device, run.topo.comm("world"))
     tokens, records = run.info["tokens_per_step"], []
     for p, figures in zip(pending, values):

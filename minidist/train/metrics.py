@@ -148,13 +148,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux kilobytes
 
 
-def read_figures(steps: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
-    """Each step's figures ({name: 0-d tensor on the device}, the same names every step) as floats, in one host read
-    for all of them: a read waits for the device, so a window pays it once."""
+def read_figures(steps: list[dict[str, torch.Tensor | float]], device: torch.device) -> list[dict[str, float]]:
+    """Each step's figures ({name: 0-d tensor on `device`, or a number}, the same names every step) as floats, in one
+    host read for all of them: a read waits for the device, so a window pays it once."""
     if not steps:
         return []
     names = list(steps[0])
-    values = torch.stack([torch.stack([torch.as_tensor(f[n]).double() for n in names]) for f in steps]).tolist()
+    values = torch.stack([torch.stack([torch.as_tensor(f[n], device=device).double() for n in names])
+                          for f in steps]).tolist()
     return [dict(zip(names, row)) for row in values]
 
 
