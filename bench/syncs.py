@@ -11,8 +11,8 @@ Logging steps (the first, every --log-every-th, the last: they also write metric
 checkpoint) are reported apart from the others: "reads" and "ops" are the most over the non-logging steps, rank 0;
 "log reads" the most over the logging steps after the first (the first also pays one-time costs).
 The aten count leaves out views (no kernel) and runs under a dispatch mode (slower: counts only, no times). On a
-CPU it includes the copy that lets the non-finite guard cancel a step on the device (`minidist.parallel.skip_step`,
-about 4 operators per parameter); CUDA's fused AdamW cancels it with found_inf instead, at no operator.
+CPU the non-finite guard (`minidist.parallel.skip_step`) reads its flag once per step (the unfused AdamW cannot take
+it on the device; a CPU read waits for nothing): 1 read; CUDA's fused AdamW takes it as found_inf, with no read.
 
 Last line: JSON {layout: {"reads": .., "log_reads": .., "ops": .., "sites": {site: reads on a non-logging step}}}.
 """
@@ -44,6 +44,8 @@ LAYOUTS = {
     "dense tp2 sp": (2, DENSE, dict(tp=2, sp=True)),
     "dense dp2 zero3": (2, DENSE, dict(dp=2, zero=3)),
     "dense pp2": (2, DENSE, dict(pp=2)),
+    "dense cp2 ring": (2, DENSE, dict(cp=2)),
+    "dense cp2 allgather": (2, DENSE, dict(cp=2, cp_impl="allgather")),
     "moe 1 process": (1, MOE, {}),
     "moe dp2 ep2": (2, MOE, dict(dp=2, ep=2)),
 }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from minidist.comm.communicator import Comm
-from minidist.parallel.cp.blockwise import Work, blockwise_attention
+from minidist.parallel.cp.blockwise import HOST, Work, blockwise_attention
 from minidist.parallel.cp.sharding import chunks_per_rank, shard_all
 
 
@@ -42,7 +42,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm:
     """Causal attention of this rank's queries to the all-gathered keys and values; shapes as `ring_attention`."""
     cp, n = comm.size, chunks_per_rank(layout)
     seq_len = q.shape[2] * cp
-    positions = shard_all(torch.arange(seq_len, device=q.device), cp, layout)  # [cp, T/cp]: who holds what
+    positions = shard_all(torch.arange(seq_len, device=HOST), cp, layout)  # [cp, T/cp]: who holds what
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
     return blockwise_attention(q, k_all, v_all, scale, q_pos=positions[comm.rank], k_pos=positions.flatten(),
                                q_chunks=n, k_chunks=n * cp, work=work)

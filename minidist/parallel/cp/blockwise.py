@@ -63,9 +63,15 @@ def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+# Where the token positions live: they only decide which blocks to compute and how to mask them, so they stay on
+# the host. Decided from device tensors, every `if` of `visibility` would wait for the GPU, per block pair.
+HOST = torch.device("cpu")
+
+
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
-    """The causal mask between two sets of increasing global positions: "all" (no mask needed), "none" (skip the
-    block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask, True where key <= query."""
+    """The causal mask between two sets of increasing global positions (on the host, `HOST`): "all" (no mask
+    needed), "none" (skip the block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask,
+    True where key <= query."""
     if k_pos.max() <= q_pos.min():
         return "all"
     if k_pos.min() > q_pos.max():
@@ -78,7 +84,7 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
 def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.Tensor | None:
     """A visibility as a bool mask for the plain kernel (None: everything visible)."""
     if isinstance(seen, torch.Tensor):
-        return seen
+        return seen.to(device)  # made on the host from the positions (a layout that cuts chunks unevenly)
     return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril() if seen == "causal" else None
 
 
@@ -294,6 +300,6 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     Positions default to 0..T−1; queries are cut into `q_chunks` and keys into `k_chunks` equal chunks. With
     positions from several ranks (keys all-gathered in shard order) it is the all-gather variant's kernel."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = torch.arange(q.shape[2], device=q.device) if q_pos is None else q_pos
-    k_pos = torch.arange(k.shape[2], device=k.device) if k_pos is None else k_pos
+    q_pos = torch.arange(q.shape[2], device=HOST) if q_pos is None else q_pos.to(HOST)
+    k_pos = torch.arange(k.shape[2], device=HOST) if k_pos is None else k_pos.to(HOST)
     return _Blockwise.apply(q, k, v, q_pos, k_pos, q_chunks, k_chunks, scale, work)

@@ -22,6 +22,7 @@ import torch
 
 from minidist.comm.communicator import Comm
 from minidist.parallel.cp.blockwise import (
+    HOST,
     Partial,
     Work,
     accumulate_dtype,
@@ -52,7 +53,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm, layout, scale, work):
         cp, rank, n = comm.size, comm.rank, chunks_per_rank(layout)
         seq_len = q.shape[2] * cp
-        q_pos = shard_positions(seq_len, rank, cp, layout, q.device)
+        q_pos = shard_positions(seq_len, rank, cp, layout, HOST)
         with no_autocast(q):
             qs, qps = list(q.chunk(n, dim=2)), list(q_pos.chunk(n))
             partials: list[Partial | None] = [None] * n
@@ -61,7 +62,7 @@ class _RingAttention(torch.autograd.Function):
                 source = (rank - step) % cp
                 if step < cp - 1:  # the next block travels while this one is computed
                     incoming, handles = _pass_on(comm, block)
-                k_pos = shard_positions(seq_len, source, cp, layout, q.device)
+                k_pos = shard_positions(seq_len, source, cp, layout, HOST)
                 forward_pairs(qs, qps, block[0], block[1], k_pos, n, scale, partials, work)
                 if step < cp - 1:
                     _wait(handles)
@@ -78,7 +79,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank, n = comm.size, comm.rank, chunks_per_rank(layout)
         seq_len = q.shape[2] * cp
         acc = accumulate_dtype(q.dtype)
-        q_pos = shard_positions(seq_len, rank, cp, layout, q.device)
+        q_pos = shard_positions(seq_len, rank, cp, layout, HOST)
         with no_autocast(q):
             qs, qps = list(q.chunk(n, dim=2)), list(q_pos.chunk(n))
             dos, outs, lses = list(dout.chunk(n, dim=2)), list(out.chunk(n, dim=2)), list(lse.chunk(n, dim=2))
@@ -90,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
                 source = (rank - step) % cp
                 if step < cp - 1:
                     incoming, handles = _pass_on(comm, block)
-                k_pos = shard_positions(seq_len, source, cp, layout, q.device)
+                k_pos = shard_positions(seq_len, source, cp, layout, HOST)
                 dk, dv = backward_pairs(dos, qs, qps, block[0], block[1], k_pos, n, outs, lses, deltas, scale, dqs)
                 grads[0] += dk
                 grads[1] += dv
