@@ -27,15 +27,10 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job: from an initialised process group, else from the launcher's variables
-    (`minidist.comm.backend.place`: torchrun's, else srun's, else one process)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    launcher: str = "single"  # who said so: one of backend.LAUNCHERS, or "initialised" (a process group existed)
+class DistEnv(backend.Place):
+    """This process's place in the job (`backend.Place`'s fields): from an initialised process group, else from the
+    launcher's variables (`minidist.comm.backend.place`: torchrun's, else srun's, else one process). `launcher` is
+    "initialised" when a process group existed already."""
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -48,9 +43,6 @@ class DistEnv:
         found = backend.place(env)
         return cls(found.rank, found.world_size, found.local_rank, found.local_world_size, found.launcher)
 
-    def as_place(self) -> backend.Place:
-        return backend.Place(self.rank, self.world_size, self.local_rank, self.local_world_size, self.launcher)
-
 
 def pick_device(requested: str, env: DistEnv) -> torch.device:
     """auto|cpu|cuda: this rank's device (cuda:LOCAL_RANK when CUDA is asked for or available; `backend.cuda_index`).
@@ -60,7 +52,7 @@ def pick_device(requested: str, env: DistEnv) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
-        index = backend.cuda_index(env.as_place(), torch.cuda.device_count())
+        index = backend.cuda_index(env, torch.cuda.device_count())
         announce(backend.apply_settings(backend.cuda_settings(os.environ), os.environ), env.rank)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
