@@ -372,3 +372,30 @@ def test_autocast_dtype_reaches_the_blocks_only_on_cuda() -> None:
     x = torch.zeros(2, 3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert in_autocast_dtype(x)[0].dtype == torch.float32  # a CPU computes as it always has
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_block_decisions_come_from_host_ranges_that_match_the_positions(layout):
+    """Ring and all-gather CP decide which chunk pairs to compute from Python ranges, with no read of a device
+    tensor: the ranges are the positions `shard_positions` gives, and each decision and its count of visible pairs
+    agree with the mask built from those positions."""
+    from minidist.parallel.cp.blockwise import visibility, visible_pairs
+    from minidist.parallel.cp.sharding import chunks_per_rank, shard_positions, shard_spans
+
+    seq_len, cp = 24, 3
+    spans = {r: shard_spans(seq_len, r, cp, layout) for r in range(cp)}
+    for r in range(cp):
+        assert [p for span in spans[r] for p in span] == shard_positions(seq_len, r, cp, layout).tolist()
+        assert len(spans[r]) == chunks_per_rank(layout)
+    chunks = [span for r in range(cp) for span in spans[r]]
+    for q in chunks:
+        for k in chunks:
+            full = torch.tensor(list(k))[None, :] <= torch.tensor(list(q))[:, None]
+            seen = visibility(q, k, torch.device("cpu"))
+            expected = {"all": full.all(), "none": not full.any(), "causal": q == k}
+            if isinstance(seen, str):
+                assert expected[seen], (q, k, seen)
+            else:
+                assert torch.equal(seen, full)
+            assert visible_pairs(q, k) == int(full.sum())
+    assert visibility(range(0, 4), range(2, 6), torch.device("cpu")).tolist()[0] == [False] * 4  # partial overlap

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from minidist.comm.communicator import Comm
-from minidist.parallel.cp.blockwise import HOST, Work, blockwise_attention
-from minidist.parallel.cp.sharding import chunks_per_rank, shard_all
+from minidist.parallel.cp.blockwise import Work, blockwise_attention
+from minidist.parallel.cp.sharding import shard_spans
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -40,9 +40,9 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
                         scale: float | None = None, work: Work | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries to the all-gathered keys and values; shapes as `ring_attention`."""
-    cp, n = comm.size, chunks_per_rank(layout)
+    cp = comm.size
     seq_len = q.shape[2] * cp
-    positions = shard_all(torch.arange(seq_len, device=HOST), cp, layout)  # [cp, T/cp]: who holds what
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
-    return blockwise_attention(q, k_all, v_all, scale, q_pos=positions[comm.rank], k_pos=positions.flatten(),
-                               q_chunks=n, k_chunks=n * cp, work=work)
+    key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
+    return blockwise_attention(q, k_all, v_all, scale, q_spans=shard_spans(seq_len, comm.rank, cp, layout),
+                               k_spans=key_spans, work=work)

@@ -63,28 +63,30 @@ def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-# Where the token positions live: they only decide which blocks to compute and how to mask them, so they stay on
-# the host. Decided from device tensors, every `if` of `visibility` would wait for the GPU, per block pair.
-HOST = torch.device("cpu")
-
-
-def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | str:
-    """The causal mask between two sets of increasing global positions (on the host, `HOST`): "all" (no mask
-    needed), "none" (skip the block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask,
-    True where key <= query."""
-    if k_pos.max() <= q_pos.min():
+def visibility(q: range, k: range, device: torch.device) -> torch.Tensor | str:
+    """The causal mask between a chunk of query positions and a chunk of key positions: "all" (no mask needed),
+    "none" (skip the block), "causal" (the same positions: the lower triangle) or a bool [Tq, Tk] mask on `device`,
+    True where key <= query. The chunks are Python ranges (`sharding.shard_spans`): every `if` here is decided on
+    the host, where deciding from device tensors would wait for the GPU at each block pair."""
+    if k.stop - 1 <= q.start:
         return "all"
-    if k_pos.min() > q_pos.max():
+    if k.start > q.stop - 1:
         return "none"
-    if torch.equal(q_pos, k_pos):
+    if q == k:
         return "causal"
-    return k_pos[None, :] <= q_pos[:, None]
+    keys, queries = torch.arange(k.start, k.stop, device=device), torch.arange(q.start, q.stop, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+def visible_pairs(q: range, k: range) -> int:
+    """How many (query, key) pairs of two chunks the causal mask keeps: key <= query, counted on the host."""
+    return sum(max(0, min(k.stop, p + 1) - k.start) for p in q)
 
 
 def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.Tensor | None:
     """A visibility as a bool mask for the plain kernel (None: everything visible)."""
     if isinstance(seen, torch.Tensor):
-        return seen.to(device)  # made on the host from the positions (a layout that cuts chunks unevenly)
+        return seen
     return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril() if seen == "causal" else None
 
 
@@ -212,33 +214,34 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def forward_pairs(qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                  k_pos: torch.Tensor, k_chunks: int, scale: float, partials: list[Partial | None],
-                  work: Work | None = None) -> None:
+def forward_pairs(qs: list[torch.Tensor], q_spans: list[range], k: torch.Tensor, v: torch.Tensor,
+                  k_spans: list[range], scale: float, partials: list[Partial | None], work: Work | None = None) -> None:
     """Merge the attention of every query chunk to every key chunk of (k, v) into `partials`, skipping the pairs
-    the causal mask hides entirely. Chunk pairs are either wholly visible, wholly hidden, or diagonal."""
-    for kc, vc, pc in zip(k.chunk(k_chunks, dim=2), v.chunk(k_chunks, dim=2), k_pos.chunk(k_chunks)):
-        for a, (qc, qp) in enumerate(zip(qs, q_pos)):
-            seen = visibility(qp, pc)
+    the causal mask hides entirely. `q_spans`, `k_spans`: each chunk's global positions (k is cut into
+    len(k_spans) equal chunks). Chunk pairs are either wholly visible, wholly hidden, or diagonal."""
+    sizes = [len(span) for span in k_spans]
+    for kc, vc, pc in zip(k.split(sizes, dim=2), v.split(sizes, dim=2), k_spans):
+        for a, (qc, qp) in enumerate(zip(qs, q_spans)):
+            seen = visibility(qp, pc, qc.device)
             if isinstance(seen, str) and seen == "none":
                 continue
             partials[a] = merge(partials[a], attend_block(qc, kc, vc, scale, seen))
             if work is not None:
-                work.scores += int(_mask(seen, len(qp), qp.device).sum()) if seen != "all" else len(qp) * len(pc)
+                work.scores += visible_pairs(qp, pc)
 
 
-def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_pos: list[torch.Tensor], k: torch.Tensor,
-                   v: torch.Tensor, k_pos: torch.Tensor, k_chunks: int, outs: list[torch.Tensor],
-                   lses: list[torch.Tensor], deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
+def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_spans: list[range], k: torch.Tensor,
+                   v: torch.Tensor, k_spans: list[range], outs: list[torch.Tensor], lses: list[torch.Tensor],
+                   deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same pairs as `forward_pairs`, backwards: add into `dqs` (per query chunk) and return (dk, dv) of this
     block of keys, in the accumulate dtype."""
-    dks, dvs = [], []
-    for kc, vc, pc in zip(k.chunk(k_chunks, dim=2), v.chunk(k_chunks, dim=2), k_pos.chunk(k_chunks)):
+    dks, dvs, sizes = [], [], [len(span) for span in k_spans]
+    for kc, vc, pc in zip(k.split(sizes, dim=2), v.split(sizes, dim=2), k_spans):
         dk = torch.zeros(kc.shape, dtype=dqs[0].dtype, device=kc.device)
         dv = torch.zeros(vc.shape, dtype=dqs[0].dtype, device=vc.device)
-        for a, (qc, qp) in enumerate(zip(qs, q_pos)):
-            seen = visibility(qp, pc)
+        for a, (qc, qp) in enumerate(zip(qs, q_spans)):
+            seen = visibility(qp, pc, qc.device)
             if isinstance(seen, str) and seen == "none":
                 continue
             dq_a, dk_a, dv_a = attend_block_backward(dos[a], qc, kc, vc, outs[a], lses[a], scale, seen, deltas[a])
@@ -256,10 +259,10 @@ def finish(partials: list[Partial], dtype: torch.dtype) -> tuple[torch.Tensor, t
     return out.to(dtype), torch.cat([lse for _, lse in partials], dim=2)
 
 
-def deltas_of(dout: torch.Tensor, out: torch.Tensor, q_chunks: int) -> list[torch.Tensor]:
-    """D = rowsum(dO ⊙ O) per query chunk, in the accumulate dtype."""
+def deltas_of(dout: torch.Tensor, out: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """D = rowsum(dO ⊙ O) per query chunk (of `sizes` positions each), in the accumulate dtype."""
     acc = accumulate_dtype(out.dtype)
-    return list((dout.to(acc) * out.to(acc)).sum(-1).chunk(q_chunks, dim=2))
+    return list((dout.to(acc) * out.to(acc)).sum(-1).split(sizes, dim=2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,37 +272,47 @@ def deltas_of(dout: torch.Tensor, out: torch.Tensor, q_chunks: int) -> list[torc
 
 class _Blockwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, q_chunks, k_chunks, scale, work):
+    def forward(ctx, q, k, v, q_spans, k_spans, scale, work):
         with no_autocast(q):
-            qs, qps = list(q.chunk(q_chunks, dim=2)), list(q_pos.chunk(q_chunks))
-            partials: list[Partial | None] = [None] * q_chunks
-            forward_pairs(qs, qps, k, v, k_pos, k_chunks, scale, partials, work)
+            qs = list(q.split([len(span) for span in q_spans], dim=2))
+            partials: list[Partial | None] = [None] * len(q_spans)
+            forward_pairs(qs, q_spans, k, v, k_spans, scale, partials, work)
             out, lse = finish(partials, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
-        ctx.chunks, ctx.scale = (q_chunks, k_chunks), scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spans, ctx.scale = (q_spans, k_spans), scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
-        q_chunks, k_chunks = ctx.chunks
+        q, k, v, out, lse = ctx.saved_tensors
+        q_spans, k_spans = ctx.spans
+        sizes = [len(span) for span in q_spans]
         with no_autocast(q):
-            qs = list(q.chunk(q_chunks, dim=2))
+            qs = list(q.split(sizes, dim=2))
             dqs = [torch.zeros(qc.shape, dtype=accumulate_dtype(q.dtype), device=q.device) for qc in qs]
-            dk, dv = backward_pairs(list(dout.chunk(q_chunks, dim=2)), qs, list(q_pos.chunk(q_chunks)), k, v, k_pos,
-                                    k_chunks, list(out.chunk(q_chunks, dim=2)), list(lse.chunk(q_chunks, dim=2)),
-                                    deltas_of(dout, out, q_chunks), ctx.scale, dqs)
-        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+            dk, dv = backward_pairs(list(dout.split(sizes, dim=2)), qs, q_spans, k, v, k_spans,
+                                    list(out.split(sizes, dim=2)), list(lse.split(sizes, dim=2)),
+                                    deltas_of(dout, out, sizes), ctx.scale, dqs)
+        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def equal_spans(length: int, chunks: int) -> list[range]:
+    """0..length−1 cut as `Tensor.chunk(chunks)` cuts a dimension: ranges of ceil(length / chunks), the last shorter."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    size = -(-length // chunks)
+    return [range(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None, q_chunks: int = 1,
+                        q_spans: list[range] | None = None, k_spans: list[range] | None = None, q_chunks: int = 1,
                         k_chunks: int = 1, work: Work | None = None) -> torch.Tensor:
     """Causal attention computed block by block with the online softmax, with its own (recomputing) backward.
 
-    Positions default to 0..T−1; queries are cut into `q_chunks` and keys into `k_chunks` equal chunks. With
-    positions from several ranks (keys all-gathered in shard order) it is the all-gather variant's kernel."""
+    Queries are cut into `q_chunks` and keys into `k_chunks` equal chunks at positions 0..T−1, or into the chunks
+    whose global positions `q_spans` / `k_spans` give (keys all-gathered in shard order: the all-gather variant's
+    kernel)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = torch.arange(q.shape[2], device=HOST) if q_pos is None else q_pos.to(HOST)
-    k_pos = torch.arange(k.shape[2], device=HOST) if k_pos is None else k_pos.to(HOST)
-    return _Blockwise.apply(q, k, v, q_pos, k_pos, q_chunks, k_chunks, scale, work)
+    q_spans = equal_spans(q.shape[2], q_chunks) if q_spans is None else q_spans
+    k_spans = equal_spans(k.shape[2], k_chunks) if k_spans is None else k_spans
+    return _Blockwise.apply(q, k, v, q_spans, k_spans, scale, work)

@@ -22,7 +22,6 @@ import torch
 
 from minidist.comm.communicator import Comm
 from minidist.parallel.cp.blockwise import (
-    HOST,
     Partial,
     Work,
     accumulate_dtype,
@@ -32,7 +31,7 @@ from minidist.parallel.cp.blockwise import (
     forward_pairs,
     no_autocast,
 )
-from minidist.parallel.cp.sharding import chunks_per_rank, shard_positions
+from minidist.parallel.cp.sharding import chunks_per_rank, shard_spans
 
 
 def _pass_on(comm: Comm, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
@@ -53,17 +52,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm, layout, scale, work):
         cp, rank, n = comm.size, comm.rank, chunks_per_rank(layout)
         seq_len = q.shape[2] * cp
-        q_pos = shard_positions(seq_len, rank, cp, layout, HOST)
+        q_spans = shard_spans(seq_len, rank, cp, layout)
         with no_autocast(q):
-            qs, qps = list(q.chunk(n, dim=2)), list(q_pos.chunk(n))
+            qs = list(q.chunk(n, dim=2))
             partials: list[Partial | None] = [None] * n
             block = [k, v]
             for step in range(cp):
                 source = (rank - step) % cp
                 if step < cp - 1:  # the next block travels while this one is computed
                     incoming, handles = _pass_on(comm, block)
-                k_pos = shard_positions(seq_len, source, cp, layout, HOST)
-                forward_pairs(qs, qps, block[0], block[1], k_pos, n, scale, partials, work)
+                forward_pairs(qs, q_spans, block[0], block[1], shard_spans(seq_len, source, cp, layout), scale,
+                              partials, work)
                 if step < cp - 1:
                     _wait(handles)
                     block = incoming
@@ -79,11 +78,11 @@ class _RingAttention(torch.autograd.Function):
         cp, rank, n = comm.size, comm.rank, chunks_per_rank(layout)
         seq_len = q.shape[2] * cp
         acc = accumulate_dtype(q.dtype)
-        q_pos = shard_positions(seq_len, rank, cp, layout, HOST)
+        q_spans = shard_spans(seq_len, rank, cp, layout)
         with no_autocast(q):
-            qs, qps = list(q.chunk(n, dim=2)), list(q_pos.chunk(n))
+            qs = list(q.chunk(n, dim=2))
             dos, outs, lses = list(dout.chunk(n, dim=2)), list(out.chunk(n, dim=2)), list(lse.chunk(n, dim=2))
-            deltas = deltas_of(dout, out, n)
+            deltas = deltas_of(dout, out, [len(span) for span in q_spans])
             dqs = [torch.zeros(qc.shape, dtype=acc, device=q.device) for qc in qs]
             block = [k, v]
             grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
@@ -91,8 +90,8 @@ class _RingAttention(torch.autograd.Function):
                 source = (rank - step) % cp
                 if step < cp - 1:
                     incoming, handles = _pass_on(comm, block)
-                k_pos = shard_positions(seq_len, source, cp, layout, HOST)
-                dk, dv = backward_pairs(dos, qs, qps, block[0], block[1], k_pos, n, outs, lses, deltas, scale, dqs)
+                k_spans = shard_spans(seq_len, source, cp, layout)
+                dk, dv = backward_pairs(dos, qs, q_spans, block[0], block[1], k_spans, outs, lses, deltas, scale, dqs)
                 grads[0] += dk
                 grads[1] += dv
                 # The accumulators of block `source` move on with it; the last hop takes each one home.

@@ -63,6 +63,15 @@ def shard_positions(seq_len: int, rank: int, cp: int, layout: str, device: torch
     return shard_sequence(torch.arange(seq_len, device=device), rank, cp, layout, dim=0)
 
 
+def shard_spans(seq_len: int, rank: int, cp: int, layout: str) -> list[range]:
+    """The global positions of rank `rank`'s chunks, in the order it holds them, as Python ranges: what the causal
+    mask's block decisions need, known on the host without reading a tensor (`shard_positions`, as ranges)."""
+    parts = cp * chunks_per_rank(layout)
+    size = seq_len // parts
+    chunks = [rank] if layout == "contiguous" else [rank, parts - 1 - rank]
+    return [range(c * size, (c + 1) * size) for c in chunks]
+
+
 def check_divisible(seq_len: int, cp: int, layout: str) -> None:
     """One-line ValueError unless `seq_len` splits into this layout's equal chunks."""
     parts = cp * chunks_per_rank(layout)
