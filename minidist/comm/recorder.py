@@ -118,9 +118,14 @@ class FlightRecorder:
         """Write the record to `path` as JSON (via a temporary file, so a reader never sees half of it)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent.is_symlink():  # a run directory's links may point anywhere: never write through one
+            raise ValueError(f"{path.parent} is a symbolic link; the flight record is not written through it")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.snapshot(reason), indent=1) + "\n")
-        os.replace(tmp, path)
+        tmp.unlink(missing_ok=True)  # a link left there is removed, not followed
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644),
+                       "w") as f:
+            f.write(json.dumps(self.snapshot(reason), indent=1) + "\n")
+        os.replace(tmp, path)  # replaces a link at `path` itself
         return path
 
 
@@ -170,7 +175,10 @@ def recording(recorder: FlightRecorder | None, out: Path, rank: int, ignore: tup
     except ignore:
         raise
     except BaseException as exc:
-        _announce(recorder.write(path, describe_exception(exc)), out, rank)
+        try:
+            _announce(recorder.write(path, describe_exception(exc)), out, rank)
+        except (OSError, ValueError) as e:  # the failure being reported matters more than its record
+            print(f"rank {rank}: no flight record: {e}", file=sys.stderr, flush=True)
         raise
     finally:
         if watcher is not None:

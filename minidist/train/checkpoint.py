@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from minidist.train import out_files
+
 LATEST = "latest"
 META = "meta.json"
 FORMAT_VERSION = 3  # 2: meta.json records each rank file's size and SHA-256; 3: rank files hold pieces only
@@ -73,11 +75,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{step_dir_name(step)}"
     if rank == 0:
+        for path in (root, final):  # a received run's links: nothing outside OUT is written or deleted
+            out_files.refuse_link(path)
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     barrier()
     path = tmp / rank_file(rank)
-    with open(path, "wb") as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644), "wb") as f:
         torch.save(state, f)
         _flush_to_disk(f)
     note = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}  # hashed where it was written
@@ -134,7 +140,8 @@ def _flush_to_disk(f: Any) -> None:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """Write and fsync `path`; a link there is an error (ELOOP), never followed."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | out_files.NO_FOLLOW, 0o644), "wb") as f:
         f.write(data)
         _flush_to_disk(f)
 
@@ -150,8 +157,9 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_latest(root: Path, step: int) -> None:
     tmp = root / f".{LATEST}.tmp"
+    tmp.unlink(missing_ok=True)  # a link left there is removed, not written through
     _write_durably(tmp, (step_dir_name(step) + "\n").encode())
-    os.replace(tmp, root / LATEST)
+    os.replace(tmp, root / LATEST)  # replaces a link at `latest` itself
     _fsync_dir(root)
 
 
@@ -160,20 +168,21 @@ def latest_step(root: str | os.PathLike) -> int | None:
     A `latest` that does not hold a step directory's name is a one-line ValueError naming it."""
     root = Path(root)
     pointer = root / LATEST
-    if pointer.is_file():
+    if pointer.is_file() and not pointer.is_symlink():  # a link may point at anything (/dev/zero)
         name = pointer.read_bytes().strip()
         match = STEP_NAME.fullmatch(name.decode("ascii", errors="replace"))
         if match is None:
             raise ValueError(f"{pointer} does not hold a checkpoint name like step_000100")
-        if (root / match.group(0) / META).is_file():
+        if int(match.group(1)) in complete_steps(root):
             return int(match.group(1))
     # No usable pointer (e.g. it was lost): fall back on the complete directories themselves.
     return max(complete_steps(root), default=None)
 
 
 def complete_steps(root: Path) -> list[int]:
-    """Steps of the published checkpoint directories under `root` (those with a meta.json), in order."""
-    matches = [STEP_NAME.fullmatch(p.name) for p in root.glob("step_*")]
+    """Steps of the published checkpoint directories under `root` (those with a meta.json), in order. A link is
+    no checkpoint of this run's: it is neither read nor pruned."""
+    matches = [STEP_NAME.fullmatch(p.name) for p in root.glob("step_*") if not p.is_symlink()]
     return sorted(int(m.group(1)) for m in matches if m and (root / m.group(0) / META).is_file())
 
 

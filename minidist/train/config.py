@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -33,6 +34,11 @@ DESCRIPTION = ("The trainer: `python -m minidist.train` on one process, "
 
 class ConfigError(ValueError):
     """A bad setting. The command line prints it as one line on stderr and exits with code 2."""
+
+
+class RankConfigError(ConfigError):
+    """A bad input one rank found after the process groups exist (its rank file, its fault drill): each rank
+    prints its own, starting with its rank, where a ConfigError of the pre-flight (the same on all) is said once."""
 
 
 @dataclass
@@ -263,6 +269,8 @@ def config_from_values(values: dict[str, Any]) -> TrainConfig:
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; known: {known} and a [model] table")
     kwargs = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
+    if isinstance(kwargs.get("out"), str):  # '~/x' quoted past the shell: the same directory for checks and writes
+        kwargs["out"] = os.path.expanduser(kwargs["out"])
     preset = model.pop("preset", TrainConfig.model)
     return TrainConfig(model=_coerce("model.preset", preset, str), model_overrides=model, **kwargs)
 
@@ -347,6 +355,9 @@ AT_LEAST = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_
             "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0}
 
 
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 24 * 3600.0
+
+
 def _check_ranges(cfg: TrainConfig) -> None:
     for key, low in AT_LEAST.items():
         if getattr(cfg, key) < low:
@@ -370,6 +381,16 @@ def _check_ranges(cfg: TrainConfig) -> None:
     for key in ("comm_timeout", "ckpt_timeout"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {getattr(cfg, key)}")
+        if not MIN_TIMEOUT_S <= getattr(cfg, key) <= MAX_TIMEOUT_S:  # the backend counts whole ms in a C++ int
+            raise ConfigError(f"{key} must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds (one week), got "
+                              f"{getattr(cfg, key)}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
+    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
+        raise ConfigError(f"peak_flops must be > 0 FLOP/s, got {cfg.peak_flops} (leave it out to use the chip's)")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed must be in [0, 2**63), got {cfg.seed}")
 
 
 def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:

@@ -44,10 +44,11 @@ from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
-from minidist.train import metrics, run_dir, run_state
+from minidist.train import metrics, out_files, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
 from minidist.train.config import (
     ConfigError,
+    RankConfigError,
     TrainConfig,
     config_to_values,
     lr_schedule,
@@ -67,12 +68,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says; return a summary (losses by step, validation losses, throughput, final figures)."""
     checked = preflight(cfg)  # before any process group: bad settings and layouts fail fast, in one line
     env, device = checked.env, checked.device
-    # The process groups; on a failure each rank writes OUT/flight/ (a bad setting is no communication failure).
-    with joined(checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out),
-                ignore=(ConfigError,), ckpt_timeout_s=cfg.ckpt_timeout) as topo:
-        run = setup(cfg, checked.layout, env, topo, device)
-        resume(run)
-        return train_loop(run)
+    # One run at a time in OUT (rank 0 holds its lock); the process groups; on a failure each rank writes
+    # OUT/flight/ (a bad setting is no communication failure).
+    try:
+        with run_dir.locked(Path(cfg.out), env.rank == 0), joined(
+                checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out), ignore=(ConfigError,),
+                ckpt_timeout_s=cfg.ckpt_timeout) as topo:
+            run = setup(cfg, checked.layout, env, topo, device)
+            resume(run)
+            return train_loop(run)
+    except ConfigError as e:  # found by this rank alone, maybe: say which (main prints every rank's)
+        if env.world_size == 1 or isinstance(e, RankConfigError):
+            raise
+        raise RankConfigError(f"rank {env.rank}: {e}") from None
 
 
 def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device: torch.device) -> Run:
@@ -98,6 +106,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,
               out=Path(cfg.out), info={})
     run.info = describe_run(run, corpus, counts)
+    check_fault_target(run)  # before OUT is touched: a bad drill leaves no run behind
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
                         barrier=run.barrier)
     if env.world_size > 1:
@@ -125,11 +134,14 @@ def load_data(cfg: TrainConfig) -> Corpus:
 
 
 def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -> list:
-    """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split."""
+    """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split.
+    The rows are --eval-batches batches of --batch-size rows whatever --microbatches is (each batch is then cut into
+    micro-batches as a training batch is): a resume with other micro-batches keeps the same validation set."""
     if corpus.val.numel() < cfg.seq_len + 1:
         return []
-    sampler = BatchSampler(corpus.val, cfg.seq_len, cfg.batch_size // cfg.microbatches, VAL_SEED)
-    return [tuple(t.to(device) for t in sampler.batch(i)) for i in range(cfg.eval_batches)]
+    sampler = BatchSampler(corpus.val, cfg.seq_len, cfg.batch_size, VAL_SEED)
+    return [tuple(t.to(device) for t in pair) for i in range(cfg.eval_batches)
+            for pair in zip(*(part.chunk(cfg.microbatches) for part in sampler.batch(i)))]
 
 
 def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int,
@@ -196,6 +208,17 @@ def inject_fault(run: Run, step: int) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_fault_target(run: Run) -> None:
+    """--inject-fault's parameter exists on the rank that flips it (that rank's one-line error otherwise)."""
+    text = run.cfg.inject_fault
+    if text is None or faults.parse_fault(text).rank != run.env.rank:
+        return
+    try:
+        faults.fault_target(text, run.env.rank, run.parallel.model, params_sharded=run.cfg.zero == 3)
+    except faults.FaultError as e:
+        raise ConfigError(str(e)) from None
+
+
 def train_loop(run: Run) -> dict[str, Any]:
     """The steps, reading their figures on the host only on logging steps (and on evaluation, replica-check and
     checkpoint steps, at --stop-after and at the end): a step in between queues its work and goes on, its loss, grad
@@ -209,7 +232,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     stopping = run_state.end_step(cfg) - 1
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
     if run.is_main:
-        (run.out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+        out_files.replace_file(run.out / "run.json", (json.dumps(info, indent=2) + "\n").encode())
     for line in metrics.header_lines(cfg, info, run.out):
         run.log(line)
     summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
@@ -297,7 +320,7 @@ def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMe
         return summary
     final = {k: summary[k] for k in ("elapsed_s", "final_loss", "final_val_loss", "mean_tokens_per_s", "mean_mfu",
                                      "cumulative_mfu", "final_peak_flops", "peak_flops_raised_from", "param_hash")}
-    (run.out / "run.json").write_text(json.dumps({**info, "final": final}, indent=2) + "\n")
+    out_files.replace_file(run.out / "run.json", (json.dumps({**info, "final": final}, indent=2) + "\n").encode())
     if run.cfg.plot:
         plot_losses(read_metrics(run.out / "metrics.jsonl"), run.out / "loss.png",
                     baseline=info["unigram_entropy_nats"],
@@ -310,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_config(argv))
     except ConfigError as e:
-        if _rank() == 0:  # every rank sees the same bad setting; say it once
+        if _rank() == 0 or isinstance(e, RankConfigError):  # a pre-flight error is every rank's: say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line

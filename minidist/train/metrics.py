@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from minidist.comm.communicator import Comm
+from minidist.train import out_files
 
 
 class MetricsWriter:
@@ -35,8 +35,7 @@ class MetricsWriter:
         self.write_many([record])
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(jsonable(record)) + "\n" for record in records))
+        out_files.append_text(self.path, "".join(json.dumps(jsonable(record)) + "\n" for record in records))
 
 
 def start_metrics(path: Path, keep_before: int | None) -> None:
@@ -44,9 +43,10 @@ def start_metrics(path: Path, keep_before: int | None) -> None:
     run through here). A run resumed at step keep_before (0 too: a from-hf run, minidist.convert.runs) keeps the records
     of the steps it does not redo."""
     if keep_before is None:
-        open(path, "x").close()
+        out_files.create_empty(path)  # never through a link
         return
     kept = []
+    out_files.refuse_link(path)
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
             record = json.loads(line)
@@ -54,9 +54,7 @@ def start_metrics(path: Path, keep_before: int | None) -> None:
             continue  # a line torn by a crash mid-write (or not ours): no step to keep
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < keep_before:
             kept.append(line + "\n")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    out_files.replace_file(path, "".join(kept).encode())
 
 
 def jsonable(value: Any) -> Any:

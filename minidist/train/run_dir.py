@@ -2,9 +2,14 @@
 
 OUT holds a run when it has any of `checkpoints/`, `metrics.jsonl` or `run.json`. A new run into such an OUT is
 refused (one line) unless it says what to do with the old one: `--resume` continues it, `--overwrite` replaces it.
-`--overwrite` removes the trainer's own files only (RUN_FILES); anything else in OUT (notes, data, other
-programs' outputs) stays. `check_out` runs on every rank before anything is built; `prepare_out` then waits for
-all ranks (so none checks an OUT that rank 0 is already changing) and, on rank 0, clears and creates OUT.
+A `loss.png` or `flight/` without a run is someone's file all the same: only `--overwrite` replaces it.
+`--overwrite` removes the trainer's own files only (RUN_FILES), and only when they look like the trainer's: a
+`checkpoints/` or `flight/` holding a file the trainer never writes (`foreign_files`) is refused, naming it.
+Anything else in OUT (notes, data, other programs' outputs) stays. A symbolic link where the trainer would write
+is refused (or, with --overwrite, removed: never followed), so nothing outside OUT is written or deleted. One
+process at a time: rank 0 holds OUT/.lock (its pid and host) for the whole run (`locked`). `check_out` runs on
+every rank before anything is built; `prepare_out` then waits for all ranks (so none checks an OUT that rank 0
+is already changing) and, on rank 0, clears and creates OUT.
 
 Several ranks share OUT: rank 0 creates each checkpoint's directory, every rank writes its file into it, rank 0
 reads every rank's note. That needs one filesystem every node sees (NFS, Lustre, GPFS; not a node's local disk),
@@ -13,13 +18,15 @@ an assumption `check_shared` turns into a check, when OUT is first prepared, ins
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -32,17 +39,27 @@ RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT 
 RUN_FILES = (*RUN_MARKERS, "loss.png", "flight")  # what the trainer writes, and all that --overwrite removes
 HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
+LOCK = ".lock"
+LOCK_FRESH_S = 10.0  # an empty lock younger than this is a run between creating it and writing its owner
+# What the trainer writes inside checkpoints/ and flight/ (temporary names included: out_files' `.NAME.HEX.tmp`).
+_TMP = r"(\.[\w.-]+\.[0-9a-f]{8}\.tmp)"
+OWN_CHECKPOINT_ENTRY = re.compile(rf"latest|\.latest\.tmp|(\.tmp_)?step_\d{{6,}}|{_TMP}")
+OWN_STEP_ENTRY = re.compile(rf"meta\.json|rank\d+\.(pt|sha256)|{_TMP}")
+OWN_FLIGHT_ENTRY = re.compile(r"rank\d+\.json(\.tmp)?|nccl_rank_?\d+[\w.-]*")
 
 
 def check_out(cfg: TrainConfig) -> None:
-    """One-line ConfigError if OUT cannot be written, or holds a run that this one would destroy."""
-    out = Path(cfg.out).expanduser()
+    """One-line ConfigError if OUT cannot be written, or holds a run (or a file of the trainer's names) that this
+    one would destroy, or a link the run would write through, or files --overwrite would delete that are not the
+    trainer's."""
+    out = Path(cfg.out)  # as written to (the command line expanded a '~': config.config_from_values)
     existing = next(p for p in (out, *out.parents) if p.exists())  # OUT, or the directory it would be made in
     if not existing.is_dir():
         where = "is a file" if existing == out else f"cannot be created: {existing} is a file"
         raise ConfigError(f"--out {cfg.out} {where}; give a directory")
     if not _can_write(existing):
         raise ConfigError(f"--out {cfg.out}: cannot write in {existing} (permission or read-only filesystem)")
+    _check_own_files(out, cfg)
     found = [name for name in RUN_MARKERS if os.path.lexists(out / name)]
     if found and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"--out {cfg.out} already holds a run ({', '.join(found)}); continue it with --resume "
@@ -55,6 +72,114 @@ def check_out(cfg: TrainConfig) -> None:
         if step is None:  # starting at step 0 would replace the run's metrics
             raise ConfigError(f"--resume: {out / 'checkpoints'} holds no checkpoint, but OUT holds a run "
                               f"({', '.join(found)}); start it again with --overwrite instead of --resume")
+
+
+def _check_own_files(out: Path, cfg: TrainConfig) -> None:
+    """The checks of the trainer's names in OUT that do not depend on a run being there (see the module)."""
+    if cfg.overwrite:
+        foreign = foreign_files(out)
+        if foreign:
+            raise ConfigError(f"--overwrite would delete {foreign[0]}, which the trainer did not write; move it out "
+                              "of OUT (or give another --out)")
+        return
+    links = [p for p in (out / LOCK, *(out / n for n in RUN_FILES), *_entries(out / "checkpoints"),
+                         *_entries(out / "flight")) if p.is_symlink()]
+    if links:
+        raise ConfigError(f"--out {out}: {links[0]} is a symbolic link; the trainer writes nothing through a link "
+                          "(remove it, or replace the run with --overwrite)")
+    others = [n for n in RUN_FILES if n not in RUN_MARKERS and os.path.lexists(out / n)]
+    if others and not any(os.path.lexists(out / n) for n in RUN_MARKERS):
+        raise ConfigError(f"--out {out} holds {', '.join(others)} but no run: a run would replace it; give "
+                          "--overwrite to let it, or another --out")
+
+
+def _entries(directory: Path) -> list[Path]:
+    """The entries of `directory` and of its step directories (nothing if it is missing or a link)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    found = []
+    for path in directory.iterdir():
+        found.append(path)
+        if path.is_dir() and not path.is_symlink():
+            found += list(path.iterdir())
+    return found
+
+
+def foreign_files(out: Path) -> list[Path]:
+    """What --overwrite would delete that the trainer never writes: a `run.json`, `metrics.jsonl` or `loss.png`
+    that is not a file (a link is fine: unlinked, never followed), and any entry of `checkpoints/` or `flight/`
+    not named as the trainer names its own (a user's `checkpoints/my_model.bin`)."""
+    foreign = [out / n for n in ("run.json", "metrics.jsonl", "loss.png")
+               if (out / n).exists() and not (out / n).is_symlink() and not (out / n).is_file()]
+    for name, own in (("checkpoints", OWN_CHECKPOINT_ENTRY), ("flight", OWN_FLIGHT_ENTRY)):
+        root = out / name
+        if not root.is_dir() or root.is_symlink():
+            foreign += [root] if root.exists() and not root.is_symlink() else []  # a file named checkpoints
+            continue
+        for path in root.iterdir():
+            if not own.fullmatch(path.name):
+                foreign.append(path)
+            elif name == "checkpoints" and path.is_dir() and not path.is_symlink():
+                foreign += [p for p in path.iterdir() if not OWN_STEP_ENTRY.fullmatch(p.name) or p.is_dir()]
+    return foreign
+
+
+@contextlib.contextmanager
+def locked(out: Path, is_main: bool, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Rank 0 holds OUT/.lock (pid and host) for the block: a second run on OUT is refused in one line while this
+    one lives. A lock whose process is gone (its pid is dead on this host) is taken over, with a note."""
+    if not is_main:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    lock, mine = out / LOCK, f"{os.getpid()} {socket.gethostname()}\n"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            break
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is not None:
+                raise ConfigError(f"--out {out} is in use by {owner} ({lock}); wait for it, or give another "
+                                  "--out") from None
+            log(f"{lock}: its run is gone; taking it over")
+            try:
+                lock.unlink(missing_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--out {out}: cannot remove the stale {lock} ({e.strerror})") from None
+    else:
+        raise ConfigError(f"--out {out}: could not take {lock}; another run is starting there")
+    with os.fdopen(fd, "w") as f:
+        f.write(mine)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if lock.read_text() == mine:
+                lock.unlink()
+
+
+def _lock_owner(lock: Path) -> str | None:
+    """Who holds `lock` ("process P on host H"), or None when it is stale: its process is dead on this host, or the
+    file is not a lock at all. A lock of another host cannot be checked from here: it counts as held."""
+    try:
+        text = lock.read_text(errors="replace")
+        if not text and time.time() - lock.stat().st_mtime < LOCK_FRESH_S:
+            return "a run that is starting"  # created, its owner not yet written
+        pid_text, host = text.split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None
+    if host == socket.gethostname():
+        if pid == os.getpid():  # this process's own lock, left by an earlier run in it that died without its finally
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, another user's
+    return f"process {pid} on host {host}"
 
 
 def _can_write(directory: Path) -> bool:

@@ -37,7 +37,7 @@ def parse_fault(text: str) -> Fault:
     """'bitflip:STEP:RANK[:NAME]' -> Fault; a one-line FaultError for anything else."""
     parts = text.split(":")
     usage = f"--inject-fault {text!r} is not bitflip:STEP:RANK[:NAME] (e.g. bitflip:3:1)"
-    if parts[0] != "bitflip" or len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[1:3]):
+    if parts[0] != "bitflip" or len(parts) not in (3, 4) or not all(p.isascii() and p.isdecimal() for p in parts[1:3]):
         raise FaultError(usage)
     name = parts[3] if len(parts) == 4 else None
     if name == "":
@@ -72,6 +72,15 @@ def inject(text: str | None, step: int, rank: int, model: nn.Module, params_shar
     fault = parse_fault(text)
     if fault.step != step or fault.rank != rank:
         return None
+    name = fault_target(text, rank, model, params_sharded)
+    flip_bit(dict(model.named_parameters())[name])
+    return name
+
+
+def fault_target(text: str, rank: int, model: nn.Module, params_sharded: bool = False) -> str:
+    """The name of the parameter the fault `text` flips on `rank` (whose part of the model is `model`); a one-line
+    FaultError if there is none. The trainer asks before step 0, so a bad name leaves no run behind."""
+    fault = parse_fault(text)
     params = dict(model.named_parameters())
     candidates = replicated_names(model, params_sharded)
     name = fault.name or (candidates[0] if candidates else None)
@@ -81,5 +90,4 @@ def inject(text: str | None, step: int, rank: int, model: nn.Module, params_shar
     if name not in params:
         raise FaultError(f"--inject-fault {text!r}: rank {rank} has no parameter {name!r}; it has "
                          f"{sorted(params)[:4]}...")
-    flip_bit(params[name])
     return name
