@@ -64,12 +64,13 @@ def refusal(out: Path, **changes) -> str:
 
 
 def record_checksum(step_dir: Path, name: str) -> None:
-    """What an attacker who can write the files does too: make the size and SHA-256 in meta.json match."""
+    """What an attacker who can write the files does too: make the size and SHA-256 in meta.json match (and
+    meta.json's own SHA-256)."""
     meta = json.loads((step_dir / "meta.json").read_text())
     data = (step_dir / name).read_bytes()
     if isinstance(meta["files"], dict):  # a checkpoint format without checksums has none to update
         meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (step_dir / "meta.json").write_text(json.dumps(meta))
+    (step_dir / "meta.json").write_text(json.dumps(checkpoint.seal_meta(meta)))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -128,8 +128,9 @@ class Handle:
     """What an async_op=True call returns: `wait()` blocks until done and returns the output tensor."""
 
     def __init__(self, work: dist.Work | None, output: torch.Tensor | None,
-                 after: Callable[[], None] | None = None) -> None:
+                 after: Callable[[], None] | None = None, origin: tuple | None = None) -> None:
         self._work, self._output, self._after, self._done = work, output, after, False
+        self.origin = origin  # (Comm, op, flight-record seq or None): what a failed wait() names (trust.health)
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
@@ -191,6 +192,7 @@ class Comm:
             name = "world" if self.group in (None, dist.group.WORLD) else "ranks" + ",".join(map(str, self.ranks))
         self.name = name
         self.recorder = recorder if self.size > 1 else None  # a group of one never waits for anybody
+        self._last_call: tuple[str, int | None] = ("?", None)  # (op, seq) of the latest recorded call
         self._ranks_key = tuple(self.ranks)
 
     @property
@@ -234,14 +236,17 @@ class Comm:
     def _record(self, op: str, tensor: torch.Tensor, peer: int | None = None, batch: int | None = None,
                 detail: str | None = None) -> int | None:
         """Append this call to the flight recorder, if any; `peer` is a group rank. Returns the record's seq."""
+        self._last_call = (op, None)
         if self.recorder is None:
             return None
-        return self.recorder.record(self.name, self._ranks_key, op, tuple(tensor.shape), tensor.dtype,
-                                    None if peer is None else self.ranks[peer], batch, detail)
+        seq = self.recorder.record(self.name, self._ranks_key, op, tuple(tensor.shape), tensor.dtype,
+                                   None if peer is None else self.ranks[peer], batch, detail)
+        self._last_call = (op, seq)
+        return seq
 
     def _finish(self, work, output: torch.Tensor | None, async_op: bool,
                 after: Callable[[], None] | None = None):
-        handle = Handle(work, output, after)
+        handle = Handle(work, output, after, (self, *self._last_call) if work is not None else None)
         return handle if async_op else handle.wait()
 
     def _reduce_op(self, op: str) -> dist.ReduceOp:
@@ -370,14 +375,16 @@ class Comm:
         self._check("isend", tensor)
         self.ledger.record("send", self.name, _nbytes(tensor))
         self._record("send", tensor, peer=dst)
-        return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor)
+        return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor,
+                      origin=(self, *self._last_call))
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` (contiguous) from group rank `src`; wait() returns it."""
         self._check("irecv", tensor)
         self.ledger.record("recv", self.name, 0)
         self._record("recv", tensor, peer=src)
-        return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor)
+        return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor,
+                      origin=(self, *self._last_call))
 
     def exchange(self, sends: Iterable[tuple[torch.Tensor, int]] = (),
                  recvs: Iterable[tuple[torch.Tensor, int]] = ()) -> list[Handle]:
@@ -415,4 +422,5 @@ class Comm:
             for kind, items in (("recv", recvs), ("send", sends)):
                 for t, peer in items:
                     self._record(kind, t, peer=peer, batch=first)
-        return [Handle(w, None) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)
+        origin = (self, "send/recv batch", first if self.recorder is not None else None)
+        return [Handle(w, None, origin=origin) for w in dist.batch_isend_irecv(ops)], sum(_nbytes(t) for t, _ in sends)

@@ -97,8 +97,8 @@ def _read_json(path: Path, limit: int) -> Any:
         raise ConvertError(f"{path} is {path.stat().st_size:,} bytes, more than the {limit:,} a {path.name} needs")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise ConvertError(f"{path} is not valid JSON: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def _shard_files(index_path: Path, suffix: str) -> dict[str, set[str]]:
@@ -115,6 +115,8 @@ def _shard_files(index_path: Path, suffix: str) -> dict[str, set[str]]:
                                "names in the same directory")
         if not (index_path.parent / file).is_file():
             raise ConvertError(f"{index_path} names the shard {file}, which is missing")
+        if (index_path.parent / file).resolve().parent != index_path.parent.resolve():  # a link out of the folder
+            raise ConvertError(f"{index_path} names the shard {file}, a link to a file outside {index_path.parent}")
         files.setdefault(file, set()).add(tensor)
     return files
 
@@ -147,6 +149,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything but tensors and plain data, with an UnpicklingError
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "weights only load failed" in first.lower():  # torch's advice to load it unsafely is not ours to give
+            first = "it holds objects other than tensors and plain data"
         raise ConvertError(f"{path} is not a plain torch state dict (read with weights_only=True): {first}"
                            ) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)

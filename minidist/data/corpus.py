@@ -203,6 +203,11 @@ def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
             path = Path(dirpath) / fname
             if fname.startswith(".") or not path.is_file():
                 continue
+            try:
+                path.relative_to(root).as_posix().encode("utf-8")  # names are hashed as UTF-8 (the split)
+            except UnicodeEncodeError:
+                raise ValueError(f"data file {str(path).encode('utf-8', 'surrogateescape')!r} has a name that is not "
+                                 "UTF-8; rename it or move it out of the directory") from None
             data = path.read_bytes()
             if not _is_binary(data):
                 names.append(path.relative_to(root).as_posix())
@@ -269,6 +274,8 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
             f"data source {source!r} does not exist; pass a text file, a directory of text files, a .bin file, "
             "or 'stdlib'"
         )
+    if not path.is_dir() and not path.is_file():  # a FIFO blocks a read forever, /dev/zero never ends
+        raise ValueError(f"data source {source!r} is not a regular file or a directory (a FIFO or a device?)")
     if path.is_dir():
         names, blobs = _read_directory(path)
         if not names:

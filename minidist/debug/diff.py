@@ -32,6 +32,7 @@ from minidist.parallel.pp.nccl_model import RECV, SEND, Op, Post, replay
 
 _FIELDS = {"seq": int, "group": str, "ranks": list, "op": str, "index": int, "shape": list, "site": str}
 _MAX_RANKS = 1 << 16
+_MAX_RECORD_BYTES = 256 << 20  # a flight record of 2000 calls is ~0.5 MB; a bound on hostile input
 TAIL_KINDS = ("missing", "p2p-unmatched")  # what a rank that is merely behind its peers also looks like
 STALE_S = 60.0  # the ranks of one job mark their start within a moment of each other (`FlightRecorder.start`)
 
@@ -77,8 +78,10 @@ def load(out: Path) -> dict[int, dict[str, Any]]:
 
 def _read(path: Path) -> dict[str, Any]:
     try:
+        if not path.is_file() or path.stat().st_size > _MAX_RECORD_BYTES:  # a FIFO would block the read forever
+            raise OSError(f"not a regular file of at most {_MAX_RECORD_BYTES >> 20} MiB")
         dump = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FlightError(f"{path}: not a readable JSON flight record ({e.__class__.__name__}: {e})") from None
     if not isinstance(dump, dict) or dump.get("format") != FORMAT:
         raise FlightError(f"{path}: not a flight record (expected a JSON object with \"format\": \"{FORMAT}\")")

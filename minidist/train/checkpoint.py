@@ -47,7 +47,11 @@ from minidist.train import out_files
 
 LATEST = "latest"
 META = "meta.json"
-FORMAT_VERSION = 3  # 2: meta.json records each rank file's size and SHA-256; 3: rank files hold pieces only
+# 2: meta.json records each rank file's size and SHA-256; 3: rank files hold pieces only; 4: meta.json carries the
+# SHA-256 of its own contents (the index of pieces decides what is loaded: a flipped bit there loads the wrong tensor)
+FORMAT_VERSION = 4
+META_SHA = "meta_sha256"
+META_MAX_BYTES = 256 << 20  # far above any index (15-25 kB for the tiny model in any layout); a bound on hostile input
 STEP_NAME = re.compile(r"step_(\d{6,})")
 PLAIN = (str, int, float, bool, type(None), torch.Tensor)  # what weights_only=True reads back, with dict/list/tuple
 
@@ -101,7 +105,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, **meta}
         if pieces is not None:
             meta["pieces"] = index
-        _write_durably(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
+        _write_durably(tmp / META, (json.dumps(seal_meta(meta), indent=2) + "\n").encode())
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same run at the same step (a resumed run redid it): replace it
             shutil.rmtree(final)
@@ -110,6 +114,18 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         _write_latest(root, step)
     barrier()
     return final
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of meta.json's contents without its own digest, in one canonical JSON form (whitespace and key order
+    do not count; every value does)."""
+    body = {k: v for k, v in meta.items() if k != META_SHA}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with its digest (`meta_digest`) under META_SHA: what save_checkpoint writes."""
+    return {**meta, META_SHA: meta_digest(meta)}
 
 
 def check_plain(value: Any, where: str = "state") -> None:
@@ -190,16 +206,20 @@ def load_meta(root: str | os.PathLike, step: int) -> dict[str, Any]:
     """meta.json of the checkpoint at `step`, read as JSON and checked; one-line ValueError naming it otherwise."""
     path = Path(root) / step_dir_name(step) / META
     try:
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > META_MAX_BYTES:  # a FIFO, a link
+            raise ValueError(f"{path} is not a regular file of at most {META_MAX_BYTES >> 20} MiB")
         meta = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
+    except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
         raise ValueError(f"{path} is not readable JSON ({type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{path} has format {found!r}, this code reads {FORMAT_VERSION} only; resume it with "
                          "the minidist version that wrote it")
+    if meta.get(META_SHA) != meta_digest(meta):  # before anything in it is used
+        raise ValueError(f"{path} does not match its own SHA-256 ({META_SHA}): corrupted or altered")
     world_size, files = meta.get("world_size"), meta.get("files")
-    if type(world_size) is not int or not isinstance(files, dict) or sorted(files) != sorted(
-            rank_file(r) for r in range(world_size)):
+    if type(world_size) is not int or not isinstance(files, dict) or len(files) != world_size or sorted(
+            files) != sorted(rank_file(r) for r in range(world_size)):  # the length first: no 10^9 names built
         raise ValueError(f"{path} does not list one file per rank")
     return meta
 

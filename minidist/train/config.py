@@ -424,9 +424,12 @@ def _check_combinations(cfg: TrainConfig) -> None:
 
 
 def _check_data(cfg: TrainConfig) -> None:
-    if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not Path(cfg.data).expanduser().exists():
+    path = Path(cfg.data).expanduser()
+    if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not path.exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
                           "a .bin/.npy file, or 'stdlib'")
+    if cfg.data != "stdlib" and path.exists() and not (path.is_file() or path.is_dir()):  # would never finish reading
+        raise ConfigError(f"data path {cfg.data!r} is not a regular file or a directory (a FIFO or a device?)")
 
 
 def lr_schedule(cfg: TrainConfig) -> WarmupCosine:

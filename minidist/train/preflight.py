@@ -8,10 +8,13 @@ checks of the lower layers raise ValueError; this module words every one of them
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
+from minidist import flops, memory
 from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.comm.torch_support import check_torch
@@ -42,6 +45,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
         env = DistEnv.detect()  # torchrun's or srun's variables: a place that does not fit, srun without MASTER_ADDR
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_fits(cfg, env.world_size)  # before anything loops over layers or allocates
     layout = resolve_layout(cfg, env.world_size)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
@@ -50,6 +54,44 @@ def preflight(cfg: TrainConfig) -> Preflight:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Preflight(env, layout, device)
+
+
+def check_fits(cfg: TrainConfig, world_size: int) -> None:
+    """One-line ConfigError when a run cannot fit in this machine's memory (a GPU's, else the host's RAM) whatever
+    the layout: lower bounds from chapter 01's formulas (minidist.memory), so a run that fits is never refused.
+    Per rank: the fp32 weights, gradients and two AdamW moments (16 bytes per parameter) split evenly over every
+    rank; one block's saved activations (fp32) for one rank's share of a micro-batch; the validation batches
+    (int64 inputs and targets, held whole by every rank)."""
+    mcfg = model_config(cfg)
+    params = _param_count(mcfg)
+    rows = max(1, cfg.batch_size // (world_size * cfg.microbatches))
+    needs = {"model states": memory.model_state_bytes(params, 4, 4, 0, 8)["total"] / world_size,
+             "one block's activations": memory.activation_bytes_per_layer(
+                 mcfg, -(-cfg.seq_len // world_size), rows, 4)["total"] / world_size,
+             "validation batches": cfg.eval_batches * cfg.batch_size * cfg.seq_len * 16}
+    where, have = _memory_capacity(cfg.device)
+    if sum(needs.values()) > have:
+        big = max(needs, key=needs.get)
+        raise ConfigError(f"this run needs at least {sum(needs.values()) / 2**30:,.1f} GiB per rank ({big}: "
+                          f"{needs[big] / 2**30:,.1f} GiB; {params:,} parameters) but {where} has "
+                          f"{have / 2**30:,.1f} GiB; use a smaller model, batch or --eval-batches, or more ranks")
+
+
+def _param_count(mcfg) -> int:
+    """flops.count_params without a Python loop over 10^7 layers: layers past the first MoE one are alike."""
+    first = min(mcfg.n_layers, mcfg.moe.first_dense_layers + 1)
+    base = flops.count_params(dataclasses.replace(mcfg, n_layers=first))
+    if mcfg.n_layers == first:
+        return base
+    per_layer = flops.count_params(dataclasses.replace(mcfg, n_layers=first + 1)) - base
+    return base + (mcfg.n_layers - first) * per_layer
+
+
+def _memory_capacity(device: str) -> tuple[str, int]:
+    """(what, bytes) of the memory a rank's tensors live in: the first GPU's when the run will use one, else RAM."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return "the GPU", torch.cuda.get_device_properties(0).total_memory
+    return "this machine's RAM", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:

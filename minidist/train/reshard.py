@@ -269,8 +269,13 @@ class PieceReader:
         if not isinstance(listed, list):
             raise ValueError(f"{step_dir / checkpoint.META} lists no pieces: it is not a trainer's checkpoint "
                              "(minidist.train.run_state)")
+        seen = set()
         for entry in listed:
             entry = self._checked(entry)
+            if (entry["file"], entry["position"]) in seen:  # two names for one saved tensor: one of them is wrong
+                raise ValueError(f"{step_dir / checkpoint.META} lists piece {entry['position']} of {entry['file']} "
+                                 "twice")
+            seen.add((entry["file"], entry["position"]))
             self.entries.setdefault(entry["name"], []).append(entry)
         self.opened: dict[str, Any] = {}
 
@@ -398,9 +403,12 @@ def read_full(checkpoint_step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
         shape = tuple(entries[0]["shape"])
         written = sum(int(e["runs"][:, 1].sum()) for e in entries)
         full = torch.empty(shape, dtype=reader.tensor(entries[0], kind).dtype, device="cpu")
-        if written != full.numel():
+        runs = torch.cat([e["runs"] for e in entries])
+        runs = runs[runs[:, 0].argsort()]
+        overlap = bool((runs[:-1, 0] + runs[:-1, 1] > runs[1:, 0]).any())  # with the count: each element once
+        if written != full.numel() or overlap:
             raise ValueError(f"checkpoint {step_dir.name} writes {written} elements of {name} ({kind}), which has "
-                             f"{full.numel()}: each must be written exactly once")
+                             f"{full.numel()}{', some twice' if overlap else ''}: each must be written exactly once")
         reader.fill(name, shape, torch.tensor([[0, full.numel()]], device="cpu"), full.view(-1), kind)
         out[name] = full
     return out

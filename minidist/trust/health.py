@@ -70,9 +70,16 @@ def comm_failure(exc: BaseException) -> str | None:
         return None
     where = "a collective"
     for frame in frames:
-        comm = frame.f_locals.get("self")
-        if isinstance(comm, communicator.Comm):
-            where = f"{frame.f_code.co_name} over group {comm.name} (ranks {comm.ranks})"
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, communicator.Comm):
+            where = f"{frame.f_code.co_name} over group {owner.name} (ranks {owner.ranks})"
+            break
+        if isinstance(owner, communicator.Handle) and owner.origin is not None:  # an asynchronous call's wait()
+            comm, op, seq = owner.origin
+            site = next((r["site"] for r in comm.recorder.records() if r["seq"] == seq), None) if comm.recorder \
+                else None
+            where = f"waiting for {op} over group {comm.name} (ranks {comm.ranks})" + (f", posted at {site}"
+                                                                                        if site else "")
             break
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return f"{where} failed: {first}"
