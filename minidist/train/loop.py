@@ -70,17 +70,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     env, device = checked.env, checked.device
     # One run at a time in OUT (rank 0 holds its lock); the process groups; on a failure each rank writes
     # OUT/flight/ (a bad setting is no communication failure).
-    try:
-        with run_dir.locked(Path(cfg.out), env.rank == 0), joined(
-                checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out), ignore=(ConfigError,),
-                ckpt_timeout_s=cfg.ckpt_timeout) as topo:
-            run = setup(cfg, checked.layout, env, topo, device)
-            resume(run)
-            return train_loop(run)
-    except ConfigError as e:  # found by this rank alone, maybe: say which (main prints every rank's)
-        if env.world_size == 1 or isinstance(e, RankConfigError):
-            raise
-        raise RankConfigError(f"rank {env.rank}: {e}") from None
+    with run_dir.locked(Path(cfg.out), env.rank == 0), joined(
+            checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out), ignore=(ConfigError,),
+            ckpt_timeout_s=cfg.ckpt_timeout) as topo:
+        run = setup(cfg, checked.layout, env, topo, device)
+        resume(run)
+        return train_loop(run)
 
 
 def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device: torch.device) -> Run:
@@ -174,8 +169,8 @@ def resume(run: Run) -> None:
     """--resume: continue from OUT's latest checkpoint; otherwise start at step 0 (OUT holds no run by now)."""
     try:
         step = run_state.restore_run(run)
-    except ValueError as e:
-        raise ConfigError(f"cannot resume from {run.out / 'checkpoints'}: {e}") from None
+    except ValueError as e:  # maybe this rank's file alone: every rank says its own (main)
+        raise rank_error(run, f"cannot resume from {run.out / 'checkpoints'}: {e}") from None
     if step is None and run.cfg.resume:
         run.log(f"--resume: no checkpoint in {run.out / 'checkpoints'}; starting at step 0")
     if step is not None:
@@ -216,7 +211,12 @@ def check_fault_target(run: Run) -> None:
     try:
         faults.fault_target(text, run.env.rank, run.parallel.model, params_sharded=run.cfg.zero == 3)
     except faults.FaultError as e:
-        raise ConfigError(str(e)) from None
+        raise rank_error(run, str(e)) from None
+
+
+def rank_error(run: Run, message: str) -> RankConfigError:
+    """A bad input this rank found, maybe alone: main prints it on every rank that raises it, naming the rank."""
+    return RankConfigError(message if run.env.world_size == 1 else f"rank {run.env.rank}: {message}")
 
 
 def train_loop(run: Run) -> dict[str, Any]:
