@@ -328,3 +328,42 @@ def test_a_failed_asynchronous_wait_names_its_group_and_op():
     except ValueError as e:
         line = health.comm_failure(e)
     assert line.startswith(f"waiting for all_gather over group {comm.name}") and "Connection closed" in line, line
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# full disks and unwritable places
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_latest(tmp_path, monkeypatch, capsys, one_thread):
+    real_save, calls = torch.save, []
+
+    def disk_full_after_one(*args, **kwargs):  # the checkpoint at step 2 is written, the one at step 4 is not
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4352 vs 4244")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_after_one)
+    argv = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set",
+            "model.n_kv_heads=1", "--set", "model.d_ff=64", "--max-bytes", "50000", "--batch-size", "4",
+            "--seq-len", "16", "--steps", "4", "--eval-every", "0", "--ckpt-every", "2", "--peak-flops", "1e9",
+            "--no-plot", "--out", str(tmp_path / "run")]
+    assert train.main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "unexpected pos" in err and "previous checkpoint is intact" in err, err
+    assert checkpoint.latest_step(tmp_path / "run" / "checkpoints") == 2
+
+
+def test_to_hf_into_an_unwritable_place_is_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(hf_files.ConvertError, match="is a file"):
+        hf_files.check_new_dir(a_file / "hf")
+    with pytest.raises(hf_files.ConvertError, match="cannot write"):  # the write itself fails (here: under a file)
+        _write_without_check(a_file / "hf")
+
+
+def _write_without_check(hf_dir: Path) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_files, "check_new_dir", lambda path: None)
+        hf_files.write_hf_dir(hf_dir, {}, {"w": torch.zeros(2)})

@@ -12,6 +12,7 @@ Write: `config.json` and one `model.safetensors` into a directory that is new or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -76,18 +77,29 @@ def check_new_dir(hf_dir: Path) -> None:
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise ConvertError(f"{hf_dir} already exists and is not an empty directory; give a new directory "
                            "(nothing there is replaced)")
+    parent = next(p for p in (hf_dir, *hf_dir.absolute().parents) if p.exists())
+    if not parent.is_dir():
+        raise ConvertError(f"{hf_dir} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK):  # EROFS for a read-only mount, even for root
+        raise ConvertError(f"{hf_dir} cannot be created: {parent} is not writable (permission or read-only mount)")
 
 
 def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
     """config.json and model.safetensors into HF_DIR, which must be new or empty (nothing is replaced)."""
     hf_dir = Path(hf_dir)
     check_new_dir(hf_dir)
-    hf_dir.mkdir(parents=True, exist_ok=True)
     tmp = hf_dir / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, hf_dir / "model.safetensors")
-    # config.json last: a directory whose write was interrupted is not a loadable checkpoint.
-    (hf_dir / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    try:
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, hf_dir / "model.safetensors")
+        # config.json last: a directory whose write was interrupted is not a loadable checkpoint.
+        (hf_dir / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    except Exception as e:  # noqa: BLE001 - OSError (a full disk) or safetensors' own error for the same
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        first = (getattr(e, "strerror", None) or str(e)).splitlines() or [type(e).__name__]
+        raise ConvertError(f"cannot write {hf_dir}: {first[0]} (a full disk or a read-only mount?)") from None
 
 
 def _read_json(path: Path, limit: int) -> Any:

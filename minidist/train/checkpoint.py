@@ -87,9 +87,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         tmp.mkdir(parents=True)
     barrier()
     path = tmp / rank_file(rank)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644), "wb") as f:
-        torch.save(state, f)
-        _flush_to_disk(f)
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644), "wb") as f:
+            torch.save(state, f)
+            _flush_to_disk(f)
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos"; `latest` still names the last
+        first = (getattr(e, "strerror", None) or str(e)).splitlines() or [type(e).__name__]
+        raise OSError(f"cannot write the checkpoint file {path}: {first[0]} (a full disk?); the previous "
+                      "checkpoint is intact") from None
     note = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}  # hashed where it was written
     if pieces is not None:
         note["pieces"] = pieces

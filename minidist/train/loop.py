@@ -336,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _rank() == 0 or isinstance(e, RankConfigError):  # a pre-flight error is every rank's: say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine's, not the run's: a full disk while writing a checkpoint or OUT's files
+        if e.errno is None and not str(e).startswith("cannot write"):
+            raise  # not the filesystem's answer: keep its traceback
+        print(f"error: rank {_rank()}: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
         if (line := health.stop_reason(e, _rank())) is None:
             raise  # a bug: keep its traceback
