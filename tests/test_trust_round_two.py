@@ -367,3 +367,33 @@ def _write_without_check(hf_dir: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hf_files, "check_new_dir", lambda path: None)
         hf_files.write_hf_dir(hf_dir, {}, {"w": torch.zeros(2)})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# debug diff names a live rank stuck outside communication
+
+
+def test_diff_names_a_live_rank_that_waits_in_no_call():
+    recorder = FlightRecorder(0)
+    comm = communicator.Comm(None)
+    seen = []
+
+    class Work:  # seen from inside the wait: the record says which call this rank is blocked in
+        def wait(self):
+            seen.append(recorder.waiting_on)
+
+    rec_seq = recorder.record("dp", (0, 1), "all_reduce", (4,), torch.float32, detail="sum")
+    comm.recorder = recorder
+    communicator.Handle(Work(), None, origin=(comm, "all_reduce", rec_seq)).wait()
+    assert seen == [rec_seq] and recorder.waiting_on is None
+
+    from minidist.debug.diff import diff, report
+    dumps = {}
+    for rank, waiting in ((0, 0), (1, None)):  # the same calls; rank 0 blocked in its all_reduce, rank 1 in none
+        r = FlightRecorder(rank)
+        r.record("dp", (0, 1), "all_reduce", (4,), torch.float32, detail="sum")
+        r.waiting_on = waiting
+        dumps[rank] = json.loads(json.dumps(r.snapshot("signal SIGTERM")))
+    findings = diff(dumps)
+    assert [(f.kind, f.rank) for f in findings] == [("outside", 1)], findings
+    assert "rank 1 is blocked in no call while rank 0 waits for it in all_reduce" in report(dumps, findings)

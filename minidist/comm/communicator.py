@@ -135,7 +135,15 @@ class Handle:
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             if self._work is not None:
-                self._work.wait()
+                recorder = self.origin[0].recorder if self.origin is not None else None
+                if recorder is None:
+                    self._work.wait()
+                else:  # the flight record says which call a rank is blocked in (a rank blocked in none is stuck
+                    recorder.waiting_on = self.origin[2]  # elsewhere: minidist.debug.diff names it)
+                    try:
+                        self._work.wait()
+                    finally:
+                        recorder.waiting_on = None
             if self._after is not None:
                 self._after()
             self._done = True
@@ -357,10 +365,16 @@ class Comm:
         """Wait for every rank of the group. On NCCL, `device` names this rank's GPU (device_ids), which NCCL would
         otherwise guess from the rank number (wrong when ranks are not laid out on GPUs in order)."""
         if self.size > 1:
-            if self.recorder is not None:
-                self.recorder.record(self.name, self._ranks_key, "barrier", (), None)
+            seq = None if self.recorder is None else self.recorder.record(self.name, self._ranks_key, "barrier", (),
+                                                                          None)
             device_ids = [device.index] if device is not None and device.type == "cuda" else None
-            dist.barrier(group=self.group, device_ids=device_ids)
+            if self.recorder is not None:
+                self.recorder.waiting_on = seq
+            try:
+                dist.barrier(group=self.group, device_ids=device_ids)
+            finally:
+                if self.recorder is not None:
+                    self.recorder.waiting_on = None
 
     # -- point to point -------------------------------------------------------------------------------------------
 

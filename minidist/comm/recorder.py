@@ -72,6 +72,7 @@ class FlightRecorder:
         self.started_at: float | None = None  # when the job's groups were up (`start`): tells jobs apart
         self._ring: deque[tuple] = deque(maxlen=capacity)
         self._counts: dict[tuple, int] = {}
+        self.waiting_on: int | None = None  # the seq of the call this rank is blocked in now (None: in none)
 
     def record(self, group: str, ranks: tuple[int, ...], op: str, shape: tuple[int, ...], dtype: Any,
                peer: int | None = None, batch: int | None = None, detail: str | None = None) -> int:
@@ -112,7 +113,8 @@ class FlightRecorder:
     def snapshot(self, reason: str) -> dict[str, Any]:
         return {"format": FORMAT, "rank": self.rank, "reason": reason, "started_at": self.started_at,
                 "written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
-                "capacity": self.capacity, "dropped": self.seq - len(self._ring), "records": self.records()}
+                "capacity": self.capacity, "dropped": self.seq - len(self._ring), "waiting_on": self.waiting_on,
+                "records": self.records()}
 
     def write(self, path: Path, reason: str) -> Path:
         """Write the record to `path` as JSON (via a temporary file, so a reader never sees half of it)."""

@@ -33,7 +33,7 @@ from minidist.parallel.pp.nccl_model import RECV, SEND, Op, Post, replay
 _FIELDS = {"seq": int, "group": str, "ranks": list, "op": str, "index": int, "shape": list, "site": str}
 _MAX_RANKS = 1 << 16
 _MAX_RECORD_BYTES = 256 << 20  # a flight record of 2000 calls is ~0.5 MB; a bound on hostile input
-TAIL_KINDS = ("missing", "p2p-unmatched")  # what a rank that is merely behind its peers also looks like
+TAIL_KINDS = ("missing", "p2p-unmatched", "outside")  # what a rank that is merely behind its peers also looks like
 STALE_S = 60.0  # the ranks of one job mark their start within a moment of each other (`FlightRecorder.start`)
 
 
@@ -43,7 +43,7 @@ class FlightError(ValueError):
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # no-record, missing, skipped, mismatch, p2p-mismatch, p2p-order, p2p-unmatched
+    kind: str  # no-record, missing, skipped, mismatch, p2p-mismatch, p2p-order, p2p-unmatched, outside
     rank: int  # the rank named
     group: str
     ranks: tuple[int, ...]
@@ -86,8 +86,10 @@ def _read(path: Path) -> dict[str, Any]:
     if not isinstance(dump, dict) or dump.get("format") != FORMAT:
         raise FlightError(f"{path}: not a flight record (expected a JSON object with \"format\": \"{FORMAT}\")")
     rank, records = dump.get("rank"), dump.get("records")
-    if not isinstance(rank, int) or not 0 <= rank < _MAX_RANKS or not isinstance(records, list):
-        raise FlightError(f"{path}: needs an integer \"rank\" and a list \"records\"")
+    if not isinstance(rank, int) or not 0 <= rank < _MAX_RANKS or not isinstance(records, list) or not isinstance(
+            dump.get("waiting_on"), int | None):
+        raise FlightError(f"{path}: needs an integer \"rank\", a list \"records\" and \"waiting_on\" an integer "
+                          "or null")
     for i, rec in enumerate(records):
         bad = [k for k, t in _FIELDS.items() if not isinstance(rec, dict) or not isinstance(rec.get(k), t)]
         if not bad and not (all(isinstance(r, int) for r in rec["ranks"] + rec["shape"]) and rank in rec["ranks"]):
@@ -149,9 +151,28 @@ def diff(dumps: dict[int, dict[str, Any]]) -> list[Finding]:
         findings.append(Finding("no-record", r, "", (), None, -1,
                                 f"rank {r} wrote no flight record: it died, was frozen or was killed before it "
                                 f"could write. Its peers: {'; '.join(with_it)}"))
+    findings += _outside(dumps)
     order = {"p2p-order": 0, "skipped": 1, "mismatch": 1, "p2p-mismatch": 1, "p2p-unmatched": 2, "missing": 2,
-             "no-record": 3}
+             "outside": 2, "no-record": 3}
     return sorted(findings, key=lambda f: (order[f.kind], f.seq, f.rank))
+
+
+def _outside(dumps: dict[int, dict[str, Any]]) -> list[Finding]:
+    """A rank blocked in no call while a peer waits for it in one: alive but stuck outside communication (in
+    compute, I/O, or a call the recorder does not see), a hang every record's calls agree about."""
+    found = []
+    blocked = {r: d["waiting_on"] for r, d in dumps.items() if isinstance(d.get("waiting_on"), int)}
+    for r in sorted(set(dumps) - set(blocked)):
+        for b, seq in sorted(blocked.items()):
+            rec = next((x for x in dumps[b]["records"] if x["seq"] == seq), None)
+            if rec is not None and r in rec["ranks"]:
+                last = dumps[r]["records"][-1]["seq"] if dumps[r]["records"] else -1
+                found.append(Finding("outside", r, rec["group"], tuple(rec["ranks"]), rec["index"], last,
+                                     f"rank {r} is blocked in no call while rank {b} waits for it in "
+                                     f"{describe(rec, with_group=True)}: rank {r} is stuck outside communication "
+                                     f"(compute, I/O, or a call the recorder does not see); {_last(dumps[r])}"))
+                break
+    return found
 
 
 def _collectives(name: str, ranks: tuple[int, ...], by_rank: dict[int, list[dict]],
