@@ -139,11 +139,9 @@ class Handle:
                 if recorder is None:
                     self._work.wait()
                 else:  # the flight record says which call a rank is blocked in (a rank blocked in none is stuck
-                    recorder.waiting_on = self.origin[2]  # elsewhere: minidist.debug.diff names it)
-                    try:
-                        self._work.wait()
-                    finally:
-                        recorder.waiting_on = None
+                    recorder.waiting_on = self.origin[2]  # elsewhere: minidist.debug.diff names it); a wait that
+                    self._work.wait()  # raises (a timeout) leaves it set: the record written then names the call
+                    recorder.waiting_on = None
             if self._after is not None:
                 self._after()
             self._done = True
@@ -369,12 +367,10 @@ class Comm:
                                                                           None)
             device_ids = [device.index] if device is not None and device.type == "cuda" else None
             if self.recorder is not None:
-                self.recorder.waiting_on = seq
-            try:
-                dist.barrier(group=self.group, device_ids=device_ids)
-            finally:
-                if self.recorder is not None:
-                    self.recorder.waiting_on = None
+                self.recorder.waiting_on = seq  # left set if the barrier raises (see Handle.wait)
+            dist.barrier(group=self.group, device_ids=device_ids)
+            if self.recorder is not None:
+                self.recorder.waiting_on = None
 
     # -- point to point -------------------------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ from a (NCCL has no tags). So for each group:
   posted, or sends both ways that neither side's receive will ever meet first, are *an order NCCL cannot match*; a stuck
   operation whose peer never posted its match is *unmatched* (the ranks disagree on how many messages pass).
 
-A rank that wrote no record is named too (it died, was frozen or killed before it could write). Findings are
+A rank that wrote no record is named too (it died, was frozen or killed before it could write). When every call
+lines up, a rank blocked in no call while a peer waits for it in one (`waiting_on` of the records) is named: it is
+alive but stuck outside communication (compute, I/O, a call the recorder does not see). Findings are
 listed in the order the named rank made the calls; the first one is "the first divergence".
 """
 
@@ -151,7 +153,8 @@ def diff(dumps: dict[int, dict[str, Any]]) -> list[Finding]:
         findings.append(Finding("no-record", r, "", (), None, -1,
                                 f"rank {r} wrote no flight record: it died, was frozen or was killed before it "
                                 f"could write. Its peers: {'; '.join(with_it)}"))
-    findings += _outside(dumps)
+    if not findings:  # the calls agree; a hang then may be a rank blocked in no call at all
+        findings = _outside(dumps)
     order = {"p2p-order": 0, "skipped": 1, "mismatch": 1, "p2p-mismatch": 1, "p2p-unmatched": 2, "missing": 2,
              "outside": 2, "no-record": 3}
     return sorted(findings, key=lambda f: (order[f.kind], f.seq, f.rank))
