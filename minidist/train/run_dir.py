@@ -140,8 +140,8 @@ def locked(out: Path, is_main: bool, log: Callable[[str], None] = print) -> Iter
         except FileExistsError:
             owner = _lock_owner(lock)
             if owner is not None:
-                raise ConfigError(f"--out {out} is in use by {owner} ({lock}); wait for it, or give another "
-                                  "--out") from None
+                raise ConfigError(f"--out {out} is in use by {owner} ({lock}); wait for it, give another --out, "
+                                  "or remove the lock if that run is gone") from None
             log(f"{lock}: its run is gone; taking it over")
             try:
                 lock.unlink(missing_ok=True)
