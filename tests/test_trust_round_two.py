@@ -397,3 +397,19 @@ def test_diff_names_a_live_rank_that_waits_in_no_call():
     findings = diff(dumps)
     assert [(f.kind, f.rank) for f in findings] == [("outside", 1)], findings
     assert "rank 1 is blocked in no call while rank 0 waits for it in all_reduce" in report(dumps, findings)
+
+
+def test_a_failed_collective_names_its_call_site():
+    class Failing:
+        wait = staticmethod(functools.partial(int, "Timed out waiting 10000ms"))
+
+    recorder = FlightRecorder(0)
+    comm = communicator.Comm(None)
+    comm.recorder = recorder
+    seq = recorder.record(comm.name, (0, 1), "all_gather", (1,), torch.int64)  # recorded here, in this test
+    comm.last_call = ("all_gather", seq)
+    try:
+        communicator.Handle(Failing(), None, origin=(comm, "all_gather", seq)).wait()
+    except ValueError as e:
+        line = health.comm_failure(e)
+    assert "posted at" in line and "test_trust_round_two.py" in line and "Timed out" in line, line

@@ -198,7 +198,7 @@ class Comm:
             name = "world" if self.group in (None, dist.group.WORLD) else "ranks" + ",".join(map(str, self.ranks))
         self.name = name
         self.recorder = recorder if self.size > 1 else None  # a group of one never waits for anybody
-        self._last_call: tuple[str, int | None] = ("?", None)  # (op, seq) of the latest recorded call
+        self.last_call: tuple[str, int | None] = ("?", None)  # (op, seq) of the latest recorded call
         self._ranks_key = tuple(self.ranks)
 
     @property
@@ -242,17 +242,17 @@ class Comm:
     def _record(self, op: str, tensor: torch.Tensor, peer: int | None = None, batch: int | None = None,
                 detail: str | None = None) -> int | None:
         """Append this call to the flight recorder, if any; `peer` is a group rank. Returns the record's seq."""
-        self._last_call = (op, None)
+        self.last_call = (op, None)
         if self.recorder is None:
             return None
         seq = self.recorder.record(self.name, self._ranks_key, op, tuple(tensor.shape), tensor.dtype,
                                    None if peer is None else self.ranks[peer], batch, detail)
-        self._last_call = (op, seq)
+        self.last_call = (op, seq)
         return seq
 
     def _finish(self, work, output: torch.Tensor | None, async_op: bool,
                 after: Callable[[], None] | None = None):
-        handle = Handle(work, output, after, (self, *self._last_call) if work is not None else None)
+        handle = Handle(work, output, after, (self, *self.last_call) if work is not None else None)
         return handle if async_op else handle.wait()
 
     def _reduce_op(self, op: str) -> dist.ReduceOp:
@@ -366,6 +366,7 @@ class Comm:
             seq = None if self.recorder is None else self.recorder.record(self.name, self._ranks_key, "barrier", (),
                                                                           None)
             device_ids = [device.index] if device is not None and device.type == "cuda" else None
+            self.last_call = ("barrier", seq)
             if self.recorder is not None:
                 self.recorder.waiting_on = seq  # left set if the barrier raises (see Handle.wait)
             dist.barrier(group=self.group, device_ids=device_ids)
@@ -386,7 +387,7 @@ class Comm:
         self.ledger.record("send", self.name, _nbytes(tensor))
         self._record("send", tensor, peer=dst)
         return Handle(dist.isend(tensor.contiguous(), dst=self.global_rank(dst), group=self.group), tensor,
-                      origin=(self, *self._last_call))
+                      origin=(self, *self.last_call))
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` (contiguous) from group rank `src`; wait() returns it."""
@@ -394,7 +395,7 @@ class Comm:
         self.ledger.record("recv", self.name, 0)
         self._record("recv", tensor, peer=src)
         return Handle(dist.irecv(tensor, src=self.global_rank(src), group=self.group), tensor,
-                      origin=(self, *self._last_call))
+                      origin=(self, *self.last_call))
 
     def exchange(self, sends: Iterable[tuple[torch.Tensor, int]] = (),
                  recvs: Iterable[tuple[torch.Tensor, int]] = ()) -> list[Handle]:

@@ -72,17 +72,25 @@ def comm_failure(exc: BaseException) -> str | None:
     for frame in frames:
         owner = frame.f_locals.get("self")
         if isinstance(owner, communicator.Comm):
-            where = f"{frame.f_code.co_name} over group {owner.name} (ranks {owner.ranks})"
+            site = _site(owner, owner.last_call[1])
+            where = f"{frame.f_code.co_name} over group {owner.name} (ranks {owner.ranks})" + (
+                f", called at {site}" if site else "")
             break
         if isinstance(owner, communicator.Handle) and owner.origin is not None:  # an asynchronous call's wait()
             comm, op, seq = owner.origin
-            site = next((r["site"] for r in comm.recorder.records() if r["seq"] == seq), None) if comm.recorder \
-                else None
+            site = _site(comm, seq)
             where = f"waiting for {op} over group {comm.name} (ranks {comm.ranks})" + (f", posted at {site}"
                                                                                         if site else "")
             break
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return f"{where} failed: {first}"
+
+
+def _site(comm: communicator.Comm, seq: int | None) -> str | None:
+    """Where the call `seq` of `comm` was made, from its flight recorder (None without one)."""
+    if comm.recorder is None or seq is None:
+        return None
+    return next((r["site"] for r in comm.recorder.records() if r["seq"] == seq), None)
 
 
 def stop_reason(exc: BaseException, rank: int) -> str | None:
