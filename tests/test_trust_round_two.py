@@ -27,9 +27,12 @@ from minidist.comm import communicator
 from minidist.comm.launch import run_ranks
 from minidist.comm.recorder import FlightRecorder
 from minidist.convert import hf_files
+from minidist.convert.hf_model import to_hf_state
+from minidist.convert.runs import read_hf
 from minidist.data.corpus import load_corpus
 from minidist.debug.diff import FlightError
 from minidist.debug.diff import load as load_flight
+from minidist.model import build_model, get_preset
 from minidist.train import checkpoint, metrics, out_files, reshard, run_dir
 from minidist.train import loop as train
 from minidist.train.config import ConfigError, parse_config
@@ -413,3 +416,21 @@ def test_a_failed_collective_names_its_call_site():
     except ValueError as e:
         line = health.comm_failure(e)
     assert "posted at" in line and "test_trust_round_two.py" in line and "Timed out" in line, line
+
+
+def test_an_hf_checkpoint_that_would_not_fit_is_one_line_before_any_tensor(tmp_path):
+    cfg = get_preset("tiny", n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=32)
+    hf_config, hf_state = to_hf_state(cfg, build_model(cfg).state_dict())
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**hf_config, "vocab_size": 2**40}))
+    with pytest.raises(hf_files.ConvertError, match="GiB to convert"):
+        read_hf(huge)
+    # A 41 KB file whose embedding is one stored row repeated (stride 0): refused before a copy expands it.
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "config.json").write_text(json.dumps(hf_config))
+    name = next(n for n in hf_state if "embed" in n)
+    torch.save({**hf_state, name: hf_state[name][:1].clone().expand_as(hf_state[name])}, flat / "pytorch_model.bin")
+    with pytest.raises(hf_files.ConvertError, match="stride-0"):
+        read_hf(flat)

@@ -168,4 +168,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ConvertError(f"{path} must hold a dict of tensor name -> tensor")
+    for name, t in state.items():  # a stride-0 tensor: a few stored bytes that a copy would expand to gigabytes
+        if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+            raise ConvertError(f"{path}: {name} has {t.numel():,} elements on {t.untyped_storage().nbytes():,} bytes "
+                               "of storage (a stride-0 or overlapping tensor); weights must be dense")
     return state

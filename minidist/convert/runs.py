@@ -103,8 +103,15 @@ def to_hf(run_out: Path, hf_dir: Path) -> Path:
 
 def read_hf(hf_dir: Path, rope_layout: str = "half") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The minidist ModelConfig and fp32 state of a Hugging Face Llama checkpoint directory, checked."""
+    from minidist.train.preflight import memory_capacity, param_count
+
     config = hf_files.read_config(hf_dir)
-    shapes = hf_shapes(model_config_from_hf(config, rope_layout))  # to check each tensor before reading it
+    mcfg = model_config_from_hf(config, rope_layout)
+    need, (where, have) = 8 * param_count(mcfg), memory_capacity("cpu")  # the fp32 weights, and the model built
+    if need > have:  # before any tensor is read or allocated
+        raise ConvertError(f"{hf_dir / hf_files.CONFIG} describes {param_count(mcfg):,} parameters: at least "
+                           f"{need / 2**30:,.1f} GiB to convert, but {where} has {have / 2**30:,.1f} GiB")
+    shapes = hf_shapes(mcfg)  # to check each tensor before reading it
     return from_hf_state(config, hf_files.read_weights(hf_dir, shapes), rope_layout)
 
 

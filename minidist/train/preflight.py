@@ -18,6 +18,7 @@ from minidist import flops, memory
 from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.comm.torch_support import check_torch
+from minidist.model import ModelConfig
 from minidist.parallel.cp import validate_context_parallel
 from minidist.parallel.ep.expert import validate_expert_parallel
 from minidist.parallel.layout import Layout, ParallelOptions
@@ -63,13 +64,13 @@ def check_fits(cfg: TrainConfig, world_size: int) -> None:
     rank; one block's saved activations (fp32) for one rank's share of a micro-batch; the validation batches
     (int64 inputs and targets, held whole by every rank)."""
     mcfg = model_config(cfg)
-    params = _param_count(mcfg)
+    params = param_count(mcfg)
     rows = max(1, cfg.batch_size // (world_size * cfg.microbatches))
     needs = {"model states": memory.model_state_bytes(params, 4, 4, 0, 8)["total"] / world_size,
              "one block's activations": memory.activation_bytes_per_layer(
                  mcfg, -(-cfg.seq_len // world_size), rows, 4)["total"] / world_size,
              "validation batches": cfg.eval_batches * cfg.batch_size * cfg.seq_len * 16}
-    where, have = _memory_capacity(cfg.device)
+    where, have = memory_capacity(cfg.device)
     if sum(needs.values()) > have:
         big = max(needs, key=needs.get)
         raise ConfigError(f"this run needs at least {sum(needs.values()) / 2**30:,.1f} GiB per rank ({big}: "
@@ -77,7 +78,7 @@ def check_fits(cfg: TrainConfig, world_size: int) -> None:
                           f"{have / 2**30:,.1f} GiB; use a smaller model, batch or --eval-batches, or more ranks")
 
 
-def _param_count(mcfg) -> int:
+def param_count(mcfg: ModelConfig) -> int:
     """flops.count_params without a Python loop over 10^7 layers: layers past the first MoE one are alike."""
     first = min(mcfg.n_layers, mcfg.moe.first_dense_layers + 1)
     base = flops.count_params(dataclasses.replace(mcfg, n_layers=first))
@@ -87,7 +88,7 @@ def _param_count(mcfg) -> int:
     return base + (mcfg.n_layers - first) * per_layer
 
 
-def _memory_capacity(device: str) -> tuple[str, int]:
+def memory_capacity(device: str) -> tuple[str, int]:
     """(what, bytes) of the memory a rank's tensors live in: the first GPU's when the run will use one, else RAM."""
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return "the GPU", torch.cuda.get_device_properties(0).total_memory
