@@ -434,3 +434,18 @@ def test_an_hf_checkpoint_that_would_not_fit_is_one_line_before_any_tensor(tmp_p
     torch.save({**hf_state, name: hf_state[name][:1].clone().expand_as(hf_state[name])}, flat / "pytorch_model.bin")
     with pytest.raises(hf_files.ConvertError, match="stride-0"):
         read_hf(flat)
+
+
+def test_max_bytes_reads_only_what_it_keeps(tmp_path):
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # 512 MiB, sparse: no disk used
+        f.truncate(512 << 20)
+    tracemalloc.start()
+    try:
+        corpus = load_corpus(str(big), 0.05, max_bytes=10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert corpus.train.numel() + corpus.val.numel() == 10_000 and peak < 16 << 20, peak  # not 512 MiB read first

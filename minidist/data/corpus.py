@@ -30,6 +30,7 @@ import functools
 import glob
 import hashlib
 import math
+import mmap
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -134,8 +135,8 @@ def _files_word(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Split:
-    train: bytes
-    val: bytes
+    train: bytes | memoryview  # a view of a mapped file until the cap is applied (`_mapped`)
+    val: bytes | memoryview
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
     summary: str  # "N files, X MB (train ... / val ...)"
@@ -283,13 +284,19 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
         split = _split_files(names, blobs, val_fraction)
         return split, f"text files under {path}: {split.summary}"
     if path.suffix == ".bin":
-        split = _split_bytes(path.name, path.read_bytes(), val_fraction, unit="tokens")
+        split = _split_bytes(path.name, _mapped(path), val_fraction, unit="tokens")
         return split, f"pre-tokenized uint8 file {path}: {split.summary}"
     if path.suffix == ".npy":
         split = _split_bytes(path.name, _load_npy(path), val_fraction, unit="tokens")
         return split, f"pre-tokenized .npy file {path}: {split.summary}"
-    split = _split_bytes(path.name, path.read_bytes(), val_fraction, unit="bytes")
+    split = _split_bytes(path.name, _mapped(path), val_fraction, unit="bytes")
     return split, f"text file {path}: {split.summary}"
+
+
+def _mapped(path: Path) -> memoryview | bytes:
+    """The file's bytes as a view of its mapping: slices copy nothing, so --max-bytes reads only what it keeps."""
+    with open(path, "rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if os.fstat(f.fileno()).st_size else b""
 
 
 def _cap_user_split(split: _Split, desc: str, max_bytes: int) -> tuple[_Split, str]:
