@@ -21,8 +21,8 @@ for such debugging, and for the hang clinic, whose ranks make a handful of calls
 
 `write(path, reason)` writes JSON (never pickle): `{"format", "rank", "reason", "started_at", "written_at",
 "capacity", "dropped", "waiting_on", "records": [...]}` (`waiting_on`: the seq of the call the rank is blocked
-in, null when in none; a wait that raised leaves it set). `recording(recorder, out, rank)` is the trainer's hook: it writes
-`out/flight/rank{R}.json` when the block raises (a collective past --comm-timeout raises in the rank), and on
+in, null when in none; a wait that raised leaves it set). `recording(recorder, out, rank)` is the trainer's hook: it
+writes `out/flight/rank{R}.json` when the block raises (a collective past --comm-timeout raises in the rank), and on
 SIGTERM (torchrun stopping the job; the rank then ends as the signal would have ended it) or SIGUSR1 (a dump on
 demand; the rank goes on). The signals are caught through a wakeup file descriptor read by a thread, so a rank
 blocked inside a C++ collective still writes its record.
