@@ -10,7 +10,9 @@ Grade your answers with `make grade CH=10`. The grader checks, against the chapt
   - zigzag_unshard_index puts the ranks' shards, laid end to end, back into sequence order;
   - ring_attention, on 3 real ranks (one launch for all cases), equals causal scaled-dot-product attention over the
     gathered sequence at every rank's zig-zag positions, for several shapes and for huge scores, with K/V moving
-    only between ring neighbours (no all-gather).
+    only between ring neighbours (no all-gather);
+  - ulysses_attention, in the same launch, equals causal SDPA on the gathered sequence at every rank's positions,
+    forward and gradients of q, k and v.
 """
 
 import torch
@@ -96,3 +98,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: i
       - Start the accumulators at out = 0 and lse = −inf: the empty set of keys.
     """
     raise NotImplementedError("exercise: ring attention with online-softmax accumulators over zig-zag shards")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention for this rank's tokens by Ulysses' head exchange, differentiable end to end.
+
+    Every rank of the default process group (cp = world size) calls this with the *contiguous* split: q, k, v are
+    [B, H, seq_len / cp, d] holding positions [rank·T/cp, (rank + 1)·T/cp); H is divisible by cp. Return
+    [B, H, seq_len / cp, d], the causal attention output for this rank's tokens — and gradients that reach q, k
+    and v correctly when the caller back-propagates.
+
+    The algorithm (chapter 10, §5; Jacobs et al. 2023, "DeepSpeed Ulysses", §3): one all-to-all turns "all heads
+    of my T/cp tokens" into "H/cp of the heads for all T tokens", attention runs as ordinary full-sequence causal
+    attention (torch's SDPA with is_causal=True), and a second all-to-all turns the output back.
+
+    Hints:
+      - dist.all_to_all_single exchanges equal chunks of the first dimension: chunk j goes to rank j, and the
+        output's chunk i came from rank i. Arrange the tensor so that the first dimension is the destination.
+      - Under the contiguous split, rank i's tokens are positions i·T/cp onwards: laying the received chunks end to
+        end in rank order *is* the causal order.
+      - Autograd cannot see through a collective. What is the adjoint of "send chunk j to rank j"? (Chapter 11's
+        all_to_all_rows asks the same for uneven chunks.)
+    """
+    raise NotImplementedError("exercise: all-to-all heads for sequence, causal SDPA, all-to-all back, with autograd")

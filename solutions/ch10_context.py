@@ -54,3 +54,55 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: i
             work.wait()
         kv = incoming
     return out
+
+
+def _exchange(x: torch.Tensor) -> torch.Tensor:
+    """[cp, ...] chunks: chunk j to rank j; returns [cp, ...] with chunk i from rank i."""
+    x = x.contiguous()  # before empty_like: a permuted x would give an output with permuted strides
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    return out
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """[B, H, T/cp, d] (all heads, my tokens) -> [B, H/cp, T, d] (my heads, all tokens); the adjoint is the way
+    back: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _to_heads(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _to_sequence(grad)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _to_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _to_heads(grad)
+
+
+def _to_heads(x: torch.Tensor) -> torch.Tensor:
+    cp = dist.get_world_size()
+    b, h, n, d = x.shape
+    got = _exchange(torch.stack(x.chunk(cp, dim=1)))  # [cp, B, H/cp, n, d]: rank i's tokens of my heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+
+
+def _to_sequence(x: torch.Tensor) -> torch.Tensor:
+    cp = dist.get_world_size()
+    b, h, t, d = x.shape
+    got = _exchange(x.reshape(b, h, cp, t // cp, d).permute(2, 0, 1, 3, 4))  # [cp, B, H/cp, T/cp, d]
+    return torch.cat(got.unbind(0), dim=1)  # rank i's heads, in rank order: all heads of my tokens
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Ulysses: heads exchanged for the sequence around causal attention (see exercises/ch10_context.py)."""
+    q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return _HeadsToSequence.apply(out)

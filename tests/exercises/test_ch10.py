@@ -196,6 +196,7 @@ def ring_worker(impl: str) -> dict:
         return call
 
     outputs = []
+    result: dict = {"missing": False}
     try:
         for name in RECORDED:
             setattr(dist, name, recording(name))
@@ -205,17 +206,48 @@ def ring_worker(impl: str) -> dict:
             out = fn(q, k, v, seq_len)
             outputs.append(None if out is None else out.detach().clone())
     except NotImplementedError:
-        return {"missing": True}
+        result["missing"] = True
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    return {"missing": False, "outputs": outputs, "calls": sorted(calls)}
+    result.update(outputs=outputs, calls=sorted(calls), ulysses=_ulysses_cases(impl, rank, cp))
+    return result
+
+
+def _ulysses_cases(impl: str, rank: int, cp: int) -> list[dict] | None:
+    """Every Ulysses case on this rank: the output and the gradients of q, k, v; None when not implemented."""
+    fn = importlib.import_module(f"{impl}.{MODULE}").ulysses_attention
+    results = []
+    try:
+        for _, seq_len, batch, heads, dim in ULYSSES_CASES:
+            mine = slice(rank * seq_len // cp, (rank + 1) * seq_len // cp)
+            q, k, v = (t[:, :, mine].clone().requires_grad_(True) for t in _qkv(seq_len, batch, heads, dim, 1.0))
+            out = fn(q, k, v)
+            (out * _probe(seq_len, batch, heads, dim)[:, :, mine]).sum().backward()
+            results.append({"out": out.detach(), **{f"d{n}": (None if t.grad is None else t.grad.clone())
+                                                     for n, t in zip("qkv", (q, k, v))}})
+    except NotImplementedError:
+        return None
+    except Exception as error:  # noqa: BLE001  (every rank raises alike here: report it per case, not as a crash)
+        return [{"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}] * len(ULYSSES_CASES)
+    return results
+
+
+ULYSSES_CASES = [("T=12, 3 heads, d=4", 12, 1, 3, 4), ("T=24, 2x6 heads, d=8", 24, 2, 6, 8),
+                 ("T=3, one token per rank", 3, 1, 3, 4)]
+
+
+def _probe(seq_len: int, batch: int, heads: int, dim: int) -> torch.Tensor:
+    """The gradient of the output the graders back-propagate: loss = Σ out · probe."""
+    return torch.randn(batch, heads, seq_len, dim, generator=torch.Generator().manual_seed(seq_len + 7),
+                       dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
 def ring(impl: str) -> list[dict]:
     from minidist.comm.launch import run_ranks
-    case = f"world {RING_WORLD}: {impl}.{MODULE}.ring_attention on {len(RING_CASES)} zig-zag cases (fp64)"
+    case = (f"world {RING_WORLD}: {impl}.{MODULE}.ring_attention on {len(RING_CASES)} zig-zag cases and "
+            f"ulysses_attention on {len(ULYSSES_CASES)} contiguous ones (fp64)")
     return run_ranks(ring_worker, RING_WORLD, impl, timeout=90, threads_per_rank=1, case=case)
 
 
@@ -285,3 +317,49 @@ def test_ch10_ring_attention_passes_blocks_between_neighbours(ring: list[dict], 
             "onto every rank, the memory ring attention exists to avoid; pass one K/V block to the next rank per step")
         assert set(result["calls"]) & {"isend", "irecv", "send", "recv", "batch_isend_irecv"}, (
             f"ring_attention, rank {rank}: no point-to-point call at all — the K/V blocks must travel around the ring")
+
+
+
+@pytest.mark.parametrize("index", range(len(ULYSSES_CASES)), ids=[c[0] for c in ULYSSES_CASES])
+def test_ch10_ulysses_attention_forward_and_gradients(ring: list[dict], impl: str, index: int) -> None:
+    if any(r["ulysses"] is None for r in ring):
+        pytest.fail(f"{impl}.{MODULE}.ulysses_attention is not implemented yet", pytrace=False)
+    name, seq_len, batch, heads, dim = ULYSSES_CASES[index]
+    q, k, v = (t.requires_grad_(True) for t in _qkv(seq_len, batch, heads, dim, 1.0))
+    want_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (want_out * _probe(seq_len, batch, heads, dim)).sum().backward()
+    for rank, result in enumerate(ring):
+        got = result["ulysses"][index]
+        mine = slice(rank * seq_len // RING_WORLD, (rank + 1) * seq_len // RING_WORLD)
+        where = f"ulysses_attention, world {RING_WORLD}, rank {rank}, case {name!r}"
+        if "error" in got:
+            hint = (" — the output is cut off from q, k, v: autograd cannot see through dist.all_to_all_single; wrap "
+                    "each exchange in a torch.autograd.Function" if "require grad" in got["error"] else
+                    " — a backward that returns the wrong shape? The adjoint of an exchange is the reverse exchange"
+                    if "gradient" in got["error"] or "shape" in got["error"] else "")
+            pytest.fail(f"{where}: raised {got['error']}{hint}", pytrace=False)
+        want = want_out[:, :, mine].detach()
+        assert got["out"].shape == want.shape, \
+            f"{where}: output {tuple(got['out'].shape)}, expected {tuple(want.shape)}"
+        if not torch.allclose(got["out"], want, rtol=1e-9, atol=1e-9):
+            local = torch.nn.functional.scaled_dot_product_attention(*(t[:, :, mine] for t in (q, k, v)),
+                                                                     is_causal=True).detach()
+            full = torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, mine].detach()
+            hint = (" — attention over this rank's own tokens only: the first all-to-all must give every rank all "
+                    "T tokens of its H/cp heads" if torch.allclose(got["out"], local) else
+                    " — no causal mask: after the exchange the sequence is whole and in order, use is_causal=True"
+                    if torch.allclose(got["out"], full) else
+                    " — check which chunk goes where: chunk j of the heads to rank j, received chunks laid end to "
+                    "end in rank order along the sequence")
+            pytest.fail(f"{where}: differs from causal SDPA on the gathered sequence by up to "
+                        f"{(got['out'] - want).abs().max().item():.2e}{hint}", pytrace=False)
+        for n, t in zip("qkv", (q, k, v)):
+            grad = got[f"d{n}"]
+            if grad is None:
+                pytest.fail(f"{where}: {n}.grad is None — autograd cannot see through dist.all_to_all_single: wrap "
+                            "each exchange in a torch.autograd.Function", pytrace=False)
+            if not torch.allclose(grad, t.grad[:, :, mine], rtol=1e-9, atol=1e-9):
+                pytest.fail(f"{where}: d{n} differs from the one-device gradient by up to "
+                            f"{(grad - t.grad[:, :, mine]).abs().max().item():.2e} — the adjoint of an exchange is "
+                            "the reverse exchange: heads back to the sequence for the first, sequence back to heads "
+                            "for the second", pytrace=False)
