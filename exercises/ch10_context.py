@@ -7,10 +7,16 @@ Grade your answers with `make grade CH=10`. The grader checks, against the chapt
     when both did;
   - zigzag_shard_index gives the chapter's table (T = 16, cp = 4: rank 1 holds [2, 3, 12, 13]) and, for other
     sizes, a split where every rank holds T/cp positions and does the same causal work;
-  - zigzag_unshard_index puts the ranks' shards, laid end to end, back into sequence order.
+  - zigzag_unshard_index puts the ranks' shards, laid end to end, back into sequence order;
+  - ring_attention, on 3 real ranks (one launch for all cases), equals causal scaled-dot-product attention over the
+    gathered sequence at every rank's zig-zag positions, for several shapes and for huge scores, with K/V moving
+    only between ring neighbours (no all-gather);
+  - ulysses_attention, in the same launch, equals causal SDPA on the gathered sequence at every rank's positions,
+    forward and gradients of q, k and v.
 """
 
 import torch
+import torch.distributed as dist  # noqa: F401  (ring_attention passes K/V with dist.batch_isend_irecv)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -66,3 +72,52 @@ def zigzag_unshard_index(seq_len: int, cp: int) -> torch.Tensor:
     held[i] = p. That is the inverse permutation, which torch.argsort gives (or fill inv[held] = arange(T)).
     """
     raise NotImplementedError("exercise: the inverse permutation of the zig-zag split")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Causal attention for this rank's queries over the whole sequence, with K/V passed around a ring of ranks.
+
+    Every rank of the default process group (cp = world size) calls this with its own shard under the zig-zag
+    split: q, k, v are [B, H, seq_len / cp, d], holding positions zigzag_shard_index(seq_len, cp, rank) in that
+    order. Return [B, H, seq_len / cp, d]: softmax(q Kᵀ / √d + causal mask) V over all seq_len keys, for this
+    rank's queries — what SDPA with is_causal=True gives on the gathered sequence, at this rank's positions.
+
+    The algorithm (chapter 10, §2-3; Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
+    Near-Infinite Context"): cp steps. At each step a rank attends its queries to the K/V block it holds, folds the
+    partial result into running (out, lse) accumulators with the online softmax, and passes the block to its ring
+    neighbour while receiving the next one. After cp steps every query has seen every key, and no rank ever held
+    more than two K/V blocks.
+
+    Hints:
+      - Which positions does the block you hold now belong to? It started on another rank; count the hops. Its
+        positions under the zig-zag split decide the causal mask (a key is visible when its position ≤ the query's).
+      - A block can be entirely invisible to this rank's queries; a row of a block can be too. Your merge_partials
+        already handles a −inf log-sum-exp; a block no query can see need not be computed at all.
+      - Send and receive in the same step (dist.P2POp with dist.isend / dist.irecv, then dist.batch_isend_irecv):
+        a blocking send to a neighbour that is itself blocked sending deadlocks. Wait before using the new block.
+      - Start the accumulators at out = 0 and lse = −inf: the empty set of keys.
+    """
+    raise NotImplementedError("exercise: ring attention with online-softmax accumulators over zig-zag shards")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention for this rank's tokens by Ulysses' head exchange, differentiable end to end.
+
+    Every rank of the default process group (cp = world size) calls this with the *contiguous* split: q, k, v are
+    [B, H, seq_len / cp, d] holding positions [rank·T/cp, (rank + 1)·T/cp); H is divisible by cp. Return
+    [B, H, seq_len / cp, d], the causal attention output for this rank's tokens — and gradients that reach q, k
+    and v correctly when the caller back-propagates.
+
+    The algorithm (chapter 10, §5; Jacobs et al. 2023, "DeepSpeed Ulysses", §3): one all-to-all turns "all heads
+    of my T/cp tokens" into "H/cp of the heads for all T tokens", attention runs as ordinary full-sequence causal
+    attention (torch's SDPA with is_causal=True), and a second all-to-all turns the output back.
+
+    Hints:
+      - dist.all_to_all_single exchanges equal chunks of the first dimension: chunk j goes to rank j, and the
+        output's chunk i came from rank i. Arrange the tensor so that the first dimension is the destination.
+      - Under the contiguous split, rank i's tokens are positions i·T/cp onwards: laying the received chunks end to
+        end in rank order *is* the causal order.
+      - Autograd cannot see through a collective. What is the adjoint of "send chunk j to rank j"? (Chapter 11's
+        all_to_all_rows asks the same for uneven chunks.)
+    """
+    raise NotImplementedError("exercise: all-to-all heads for sequence, causal SDPA, all-to-all back, with autograd")

@@ -1,6 +1,9 @@
 """Chapter 11 exercises: the bookkeeping of an expert-parallel dispatch — who sends how many rows to whom, the
 permutation that puts a rank's slots in destination order, its inverse, and the regrouping of what arrives.
 
+The last three exercises run the whole dispatch on real ranks: an all-to-all that autograd can differentiate, and
+the dispatch and combine built from it.
+
 Grade your answers with `make grade CH=11`. The grader runs the chapter's example (2 ep ranks, 4 experts, top-2,
 6 tokens per rank) and random cases, compares with `minidist.parallel.ep.expert` where it has an answer, and checks
 the properties that define each answer (a permutation, sorted, stable, an inverse).
@@ -11,6 +14,7 @@ the expert id of each of a rank's S slots.
 """
 
 import torch
+import torch.distributed as dist  # noqa: F401  (the last three exercises run on real ranks)
 
 
 def send_counts(experts: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
@@ -80,8 +84,50 @@ def local_expert_order(received: torch.Tensor) -> torch.Tensor:
     (source rank 0's rows first). In the chapter's example rank 0 receives [[3, 2], [4, 3]]: local experts of the
     12 arrivals [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1], so the order is [0, 1, 2, 5, 6, 7, 8, 3, 4, 9, 10, 11].
 
-    Hints: torch.arange(E).repeat(ep).repeat_interleave(received.flatten()) labels every arrival with its local
-    expert; then a stable argsort. Its inverse (the exercise above) puts the experts' outputs back in arrival
+    Hints: first write down, for every arrival, which local expert it is for — the counts say how long each run
+    of equal labels is, and in which order the runs come. Then you need an order that groups equal labels without
+    reordering arrivals inside a group. Its inverse (the exercise above) puts the experts' outputs back in arrival
     order for the combine.
     """
     raise NotImplementedError("exercise: label each arrival with its local expert, then a stable argsort")
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """An uneven all-to-all of rows over the default process group that autograd can differentiate.
+
+    x [sum(send), ...]: the first send[0] rows go to rank 0, the next send[1] to rank 1, and so on; return
+    [sum(recv), ...]: the recv[j] rows rank j sent here, in rank order. Every rank calls it, each with its own
+    counts (rank i's send[j] equals rank j's recv[i]).
+
+    Forward is one dist.all_to_all_single with split sizes. Write it as a torch.autograd.Function: the gradient of
+    the received rows has to travel back to the rank each row came from. Which collective moves it there, and
+    with which split sizes? (Chapter 10, §5 and chapter 11, §3: the adjoint of a permutation of rows across ranks.)
+    Gradients of the split sizes: none (return None for them).
+    """
+    raise NotImplementedError("exercise: an autograd Function around an uneven all_to_all_single")
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Send each of this rank's rows to the rank that owns its expert; return (received, local_expert, state).
+
+    x [S, d]: one row per slot; experts [S]: each slot's expert id (contiguous blocks of n_experts / ep experts per
+    rank, ep = world size). `received` [R, d] is every row, from every rank, whose expert lives here, in arrival
+    order (source rank 0's rows first; from one source, by expert, then in the source's slot order);
+    `local_expert` [R] is each arrival's expert index on this rank (0 ≤ e < n_experts / ep); `state` is whatever
+    combine() needs to send the outputs home (it is yours: the grader only passes it back).
+
+    A rank cannot know R, nor how the rows it receives split over its experts, from its own router: something has
+    to be exchanged before the rows move. Use your answers above and all_to_all_rows, so gradients flow to x.
+    """
+    raise NotImplementedError("exercise: sort by destination, exchange the counts, all-to-all the rows")
+
+
+def combine(y: torch.Tensor, state: object) -> torch.Tensor:
+    """Send the experts' outputs y [R, d'] (one per row `dispatch` delivered, same order) back to the ranks the
+    rows came from, and return them in this rank's original slot order: [S, d'], row i the output for slot i.
+
+    Graded end to end: out = combine(y, state) with y_i = received_i @ W[local_expert_i] must equal the one-device
+    layer x_i @ W[experts_i] on every rank, and the gradients of x and of every expert's W must equal the
+    one-device gradients (the graders sum the gradient over all slots of all ranks for W).
+    """
+    raise NotImplementedError("exercise: the reverse all-to-all, then undo the destination sort")

@@ -8,6 +8,10 @@ chapter's 16-rank grid (pp 2, dp 2, cp 2, tp 2, ep 2) and random grids.
 The grid (chapter 12 §1): ranks sit on (pp, dp, cp, tp), row-major, tp fastest:
 rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i. The data-parallel replicas are the dp·cp ranks with the same pp and
 tp indices, numbered dp_cp = dp_i·cp + cp_i; ep is carved out of them, ep fastest: dp_cp = edp_i·ep + ep_i.
+
+block_activation_bytes is graded against tensor accounting: the bytes autograd really saves in one of
+minidist's dense blocks (`minidist.memory.PeakSavedBytes`), for several shapes; its tp and sequence-parallel cases
+against `minidist.plan.rank_memory.layer_activation_bytes`, which the package's own tests measure on real ranks.
 """
 
 
@@ -66,3 +70,23 @@ def in_flight_1f1b(pp: int, microbatches: int, stage: int) -> int:
     Hint: the answer is a one-liner; the grader checks it against the schedule minidist executes.
     """
     raise NotImplementedError("exercise: the warm-up forwards plus the one in the steady state, capped by m")
+
+
+def block_activation_bytes(tokens: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
+                           p: int = 4, tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """Bytes one dense block (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU → residual)
+    keeps for its backward, for `tokens` tokens on this rank (a micro-batch's B·s/cp: context parallelism only
+    divides the tokens), activations of p bytes per element (4: fp32; the norms' statistics stay fp32).
+
+    Derive it op by op, as chapter 12 §3 does: for each op of the block's forward (minidist/model/layers.py,
+    attention.py), which of its inputs or outputs does its backward need? A linear needs its input; an
+    elementwise product both factors; the fused attention kernel q, k, v, its output and one fp32 number per
+    (token, head) — what one is that? With tensor parallelism (Megatron's column/row split, chapter 08) each rank
+    holds n_heads/tp query heads, max(n_kv_heads/tp, 1) key/value heads and d_ff/tp hidden units; with sequence
+    parallelism (Korthikanti et al. 2022, §4.2.2) the parts outside the tp regions — the norms — hold only
+    tokens/tp tokens, while a linear's gathered input is still whole. recompute="full" keeps only each block's
+    input (the residual stream entering it; on the sequence shard under SP); the rest is rebuilt in the backward.
+
+    Check yourself before the grader does: build a one-layer model, run its block under PeakSavedBytes, compare.
+    """
+    raise NotImplementedError("exercise: op by op, the tensors the block's backward needs")

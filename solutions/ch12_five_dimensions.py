@@ -1,4 +1,5 @@
-"""Chapter 12 exercises (reference answers): the rank grid of five dimensions, and a memory estimate per rank."""
+"""Chapter 12 exercises (reference answers): the rank grid of five dimensions, and a memory estimate per rank:
+model states, activations of one block, and the 1F1B pipeline's micro-batches in flight."""
 
 
 def rank_coordinates(rank: int, dp: int, tp: int, pp: int, cp: int, ep: int) -> dict[str, int]:
@@ -37,3 +38,22 @@ def model_state_bytes(n_dense: int, n_experts: int, dp_cp: int, ep: int, zero: i
 def in_flight_1f1b(pp: int, microbatches: int, stage: int) -> int:
     """Micro-batches whose activations pipeline rank `stage` holds at once under 1F1B."""
     return min(microbatches, pp - stage)
+
+
+def block_activation_bytes(tokens: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
+                           p: int = 4, tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """Bytes a dense block saves for its backward (see the exercise's docstring)."""
+    n, d = tokens, d_model
+    shard = tp if sp and tp > 1 else 1  # the norms see tokens/tp tokens under sequence parallelism
+    if recompute == "full":
+        return p * n * d / shard  # only the block's input; everything else is rebuilt in the backward
+    # RMSNorm: its fp32 input, 1/rms per token, the normalized x; its output is the next linear's (gathered) input.
+    norm = (4 * n * d + 4 * n + p * n * d) / shard + p * n * d
+    q = n_heads // tp * head_dim
+    kv = max(n_kv_heads // tp, 1) * head_dim
+    # q and k before RoPE (its backward needs cos/sin only, but the rotated copies are the kernel's inputs), q
+    # rotated, k rotated, v; the kernel's output, the input of wo; and the fp32 log-sum-exp per (token, head).
+    attention = p * n * (3 * q + 2 * kv) + 4 * n * (n_heads // tp)
+    # SwiGLU: gate and up outputs (the product needs both), silu(gate), and the product (w_down's input).
+    mlp = 4 * p * n * d_ff / tp
+    return 2 * norm + attention + mlp

@@ -1,4 +1,5 @@
-"""Chapter 14 exercises: localize a bug with a layer-by-layer gradient diff; compare a ledger with its formulas.
+"""Chapter 14 exercises: localize a bug with a layer-by-layer gradient diff; compare a ledger with its formulas;
+a tolerance derived from Higham's bound (answers).
 
 Grade your answers with `make grade CH=14`. The grader checks:
   - first_flagged on gradients of the chapter's tiny model: None within the tolerance; the first flagged parameter
@@ -35,3 +36,21 @@ def ledger_diff(totals: dict[tuple[str, str], dict[str, int]],
     rows = [(op, group, totals.get((op, group), {}).get("bytes", 0), expected.get((op, group), 0))
             for op, group in keys]
     return [row for row in rows if row[2] != row[3]]
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's γ_n (see exercises/ch14_debugging.py)."""
+    u = torch.finfo(dtype).eps / 2  # unit roundoff of round-to-nearest
+    if n * u >= 1:
+        raise ValueError(f"gamma_n needs n·u < 1; n = {n} with u = {u:.3g} gives {n * u:.3g}")
+    return n * u / (1 - n * u)
+
+
+def dot_error_bound(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> float:
+    """γ_n Σ|x_i y_i| (see exercises/ch14_debugging.py)."""
+    return gamma(x.numel(), dtype) * (x.double().abs() * y.double().abs()).sum().item()
+
+
+def reordered_matmul_tolerance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2 γ_n |A||B| (see exercises/ch14_debugging.py)."""
+    return 2 * gamma(a.shape[1], dtype) * (a.double().abs() @ b.double().abs())

@@ -6,6 +6,8 @@ random ones; the oracles are `minidist.parallel.ep.expert` (expert_owner, arriva
 define each answer. The last test runs a whole dispatch and combine on one process with your functions.
 """
 
+import importlib
+
 import pytest
 import torch
 from grading import load
@@ -164,3 +166,218 @@ def test_ch11_a_whole_dispatch_and_combine_on_one_process(impl: str) -> None:
         back = torch.cat([outputs[dst][src] for dst in range(EP)])[fns["inverse_permutation"](orders[src])]
         assert torch.equal(back[:, :2], rows[src][:, :2]), f"rank {src}: outputs did not return to their slots"
         assert torch.equal(back[:, 2], 10 * rows[src][:, 2]), f"rank {src}: an output came back to another slot"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# On real ranks: the differentiable all-to-all, the dispatch and the combine (one launch runs every case)
+
+EP_WORLD, DIM = 3, 4
+# (name, experts N, slots on each rank, router): "random" draws experts uniformly; "no rank 2" never picks rank 2's
+# experts; "collapsed" sends every slot of every rank to the last expert (that rank receives S·T·k rows: all of them).
+EP_CASES = [("random router, N=6", 6, (8, 8, 8), "random"), ("uneven slots per rank (3, 5, 7)", 6, (3, 5, 7), "random"),
+            ("no slot for rank 2's experts", 6, (6, 6, 6), "no rank 2"),
+            ("collapsed router: every slot to expert 5", 6, (5, 4, 6), "collapsed"),
+            ("one expert per rank, N=3", 3, (7, 2, 5), "random")]
+
+
+def _ep_inputs(case: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slots x [S, DIM], their experts [S], a probe for the loss [S, DIM], and every expert's W."""
+    _, n, slots, router = EP_CASES[case]
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    s = slots[rank]
+    x = torch.randn(s, DIM, generator=g, dtype=torch.float64)
+    high = n if router != "no rank 2" else 2 * n // EP_WORLD
+    experts = torch.randint(0, high, (s,), generator=g)
+    if router == "collapsed":
+        experts = torch.full((s,), n - 1)
+    probe = torch.randn(s, DIM, generator=g, dtype=torch.float64)
+    weights = torch.randn(n, DIM, DIM, generator=torch.Generator().manual_seed(case), dtype=torch.float64)
+    return x, experts, probe, weights
+
+
+def _rows_case(case: int, rank: int) -> tuple[torch.Tensor, list[int], list[list[int]]]:
+    """all_to_all_rows alone: rank's rows, and the full count matrix counts[i][j] = rows rank i sends to rank j."""
+    g = torch.Generator().manual_seed(77 + case)
+    counts = torch.randint(0, 4, (EP_WORLD, EP_WORLD), generator=g)
+    if case == 1:
+        counts[:, 2] = 0  # nobody sends to rank 2: it receives an empty tensor
+    x = torch.randn(int(counts[rank].sum()), DIM, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    return x, counts[rank].tolist(), counts.tolist()
+
+
+def _checked_all_to_all(dist, original):
+    """dist.all_to_all_single that first compares every rank's splits (all ranks alike), so that a mismatch becomes
+    a ValueError on every rank instead of gloo aborting the process."""
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        world = dist.get_world_size()
+        outs = list(output_split_sizes) if output_split_sizes else [output.shape[0] // world] * world
+        ins = list(input_split_sizes) if input_split_sizes else [input.shape[0] // world] * world
+        table: list = [None] * world
+        dist.all_gather_object(table, (ins, outs, input.shape[0], output.shape[0]))
+        for i, (ins_i, outs_i, rows_in, rows_out) in enumerate(table):
+            if sum(ins_i) != rows_in or sum(outs_i) != rows_out:
+                raise ValueError(f"rank {i}: split sizes {ins_i} -> {outs_i} for tensors of {rows_in} -> {rows_out} "
+                                 "rows (split sizes do not fit)")
+            for j in range(world):
+                if ins_i[j] != table[j][1][i]:
+                    raise ValueError(f"rank {i} sends {ins_i[j]} rows to rank {j}, which expects {table[j][1][i]} "
+                                     "(receive split sizes that do not match what the senders send)")
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+    return call
+
+
+def ep_worker(impl: str) -> dict:
+    import torch.distributed as dist
+
+    module = importlib.import_module(f"{impl}.{MODULE}")
+    rank = dist.get_rank()
+    dist.all_to_all_single = _checked_all_to_all(dist, dist.all_to_all_single)  # this rank process only
+    out: dict = {"rows": [], "layer": []}
+    phase = "all_to_all_rows"
+    try:
+        for case in range(2):
+            x, send, counts = _rows_case(case, rank)
+            x.requires_grad_(True)
+            recv = [counts[i][rank] for i in range(EP_WORLD)]
+            got = module.all_to_all_rows(x, send, recv)
+            got.backward(torch.arange(got.numel(), dtype=got.dtype).view_as(got) + 100 * rank)
+            out["rows"].append({"out": got.detach(), "grad": None if x.grad is None else x.grad.clone()})
+        phase = "dispatch + combine"
+        for case, (_, n, _, _) in enumerate(EP_CASES):
+            x, experts, probe, weights = _ep_inputs(case, rank)
+            per = n // EP_WORLD
+            x.requires_grad_(True)
+            w_local = weights[rank * per:(rank + 1) * per].clone().requires_grad_(True)
+            received, local_expert, state = module.dispatch(x, experts, n)
+            y = torch.einsum("rd,rde->re", received, w_local[local_expert])
+            result = module.combine(y, state)
+            (result * probe).sum().backward()
+            out["layer"].append({"received": received.detach(), "local_expert": local_expert.clone(),
+                                 "out": result.detach(), "x_grad": None if x.grad is None else x.grad.clone(),
+                                 "w_grad": None if w_local.grad is None else w_local.grad.clone()})
+    except NotImplementedError as missing:
+        return {"missing": str(missing)}
+    except Exception as error:  # noqa: BLE001  (every rank raises alike here: report the cause, not a traceback)
+        return {"error": f"{phase} raised {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_run(impl: str) -> list[dict]:
+    from minidist.comm.launch import run_ranks
+    case = (f"world {EP_WORLD}: {impl}.{MODULE}.all_to_all_rows on 2 count matrices, then dispatch + combine on "
+            f"{len(EP_CASES)} routers")
+    return run_ranks(ep_worker, EP_WORLD, impl, timeout=90, threads_per_rank=1, case=case)
+
+
+def phase_of(message: str) -> str:
+    return message.split(" raised ")[0]
+
+
+def _ep_missing(per_rank: list[dict], impl: str) -> None:
+    for rank, result in enumerate(per_rank):
+        if "missing" in result:
+            pytest.fail(f"{impl}.{MODULE}: not implemented yet ({result['missing']})", pytrace=False)
+        if "error" in result:
+            message = result["error"]
+            hint = ""
+            if "expects" in message and phase_of(message) == "dispatch + combine":
+                hint = (" — a rank cannot know what it receives from its own router: exchange the per-expert counts "
+                        "first (a small all-to-all), and take the receive splits from that")
+            elif "split" in message.lower():
+                hint = (" — split sizes that do not fit the tensor: in the backward the gradient has sum(recv) rows "
+                        "and goes back where it came from, so its input splits are recv and its output splits send")
+            elif "invalid gradient" in message:
+                hint = " — backward returns one gradient row per row of x (sum(send) rows), and None for the counts"
+            pytest.fail(f"world {EP_WORLD}, rank {rank}: {message}{hint}", pytrace=False)
+
+
+def test_ch11_all_to_all_rows_forward_and_gradient(ep_run: list[dict], impl: str) -> None:
+    _ep_missing(ep_run, impl)
+    for case in range(2):
+        xs = [_rows_case(case, r)[0] for r in range(EP_WORLD)]
+        counts = _rows_case(case, 0)[2]
+        pieces = [list(torch.split(xs[i], counts[i])) for i in range(EP_WORLD)]  # pieces[i][j]: rank i → rank j
+        for rank in range(EP_WORLD):
+            where = f"all_to_all_rows, world {EP_WORLD}, count matrix {counts}, rank {rank}"
+            got = ep_run[rank]["rows"][case]
+            want = torch.cat([pieces[i][rank] for i in range(EP_WORLD)])
+            assert got["out"].shape == want.shape and torch.equal(got["out"], want), (
+                f"{where}: received {tuple(got['out'].shape)} rows that are not rank 0's rows for it, then rank 1's, "
+                f"... ({tuple(want.shape)} expected) — output splits are what each rank sends *here*")
+            # The gradient each received row gets is arange + 100·receiver: the sender must get it back per row.
+            grads = []
+            for j in range(EP_WORLD):
+                start = sum(counts[i][j] for i in range(rank))
+                size = counts[rank][j]
+                flat = torch.arange(sum(counts[i][j] for i in range(EP_WORLD)) * DIM, dtype=torch.float64)
+                grads.append((flat.view(-1, DIM) + 100 * j)[start:start + size])
+            want_grad = torch.cat(grads)
+            assert got["grad"] is not None, (
+                f"{where}: x.grad is None — the all-to-all is invisible to autograd: wrap it in a "
+                "torch.autograd.Function whose backward sends the gradient back")
+            assert torch.equal(got["grad"], want_grad), (
+                f"{where}: x.grad is not the gradient of the rows this rank sent — the adjoint of the all-to-all is "
+                "the reverse all-to-all: what you received you send back, so input and output splits swap")
+
+
+def _one_device(case: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, experts, probe, weights = _ep_inputs(case, rank)
+    return torch.einsum("sd,sde->se", x, weights[experts]), torch.einsum("se,sde->sd", probe, weights[experts])
+
+
+def test_ch11_dispatch_delivers_each_row_to_its_expert(ep_run: list[dict], impl: str) -> None:
+    _ep_missing(ep_run, impl)
+    for case, (name, n, _, _) in enumerate(EP_CASES):
+        per = n // EP_WORLD
+        for rank in range(EP_WORLD):
+            got = ep_run[rank]["layer"][case]
+            want_rows, want_experts = [], []
+            for source in range(EP_WORLD):
+                x, experts, _, _ = _ep_inputs(case, source)
+                for e in range(rank * per, (rank + 1) * per):
+                    want_rows.append(x[experts == e])
+                    want_experts += [e - rank * per] * int((experts == e).sum())
+            want = torch.cat(want_rows)
+            where = f"dispatch, world {EP_WORLD}, case {name!r}, rank {rank}"
+            assert got["received"].shape == want.shape, (
+                f"{where}: received {got['received'].shape[0]} rows, expected {want.shape[0]} — the receive counts "
+                "come from the counts exchange (what every other rank routes here), not from this rank's send counts")
+            assert torch.equal(got["received"], want), (
+                f"{where}: the right number of rows, in the wrong order or the wrong rows — rows leave sorted by "
+                "destination then expert, stably (source rank 0's first on arrival)")
+            assert got["local_expert"].tolist() == want_experts, (
+                f"{where}: local_expert {got['local_expert'].tolist()}, expected {want_experts} — local indices "
+                f"are 0..{per - 1} (global id − rank·N/ep), one run per (source, expert) with the exchanged counts")
+
+
+def test_ch11_combine_forward_and_gradients_equal_the_one_device_layer(ep_run: list[dict], impl: str) -> None:
+    _ep_missing(ep_run, impl)
+    for case, (name, n, _, _) in enumerate(EP_CASES):
+        per = n // EP_WORLD
+        weights = _ep_inputs(case, 0)[3]
+        w_grad = torch.zeros_like(weights)
+        for source in range(EP_WORLD):
+            x, experts, probe, _ = _ep_inputs(case, source)
+            w_grad.index_add_(0, experts, torch.einsum("sd,se->sde", x, probe))
+        for rank in range(EP_WORLD):
+            got = ep_run[rank]["layer"][case]
+            want_out, want_x_grad = _one_device(case, rank)
+            where = f"combine, world {EP_WORLD}, case {name!r}, rank {rank}"
+            x, experts, _, _ = _ep_inputs(case, rank)
+            order = torch.argsort(experts, stable=True)
+            assert got["out"].shape == want_out.shape, \
+                f"{where}: output {tuple(got['out'].shape)}, expected {tuple(want_out.shape)} (one row per slot)"
+            if not torch.allclose(got["out"], want_out, rtol=1e-10, atol=1e-10):
+                hint = (" — these are the outputs in destination order: undo the sort with the inverse permutation"
+                        if torch.allclose(got["out"], want_out[order]) else
+                        " — the outputs go back with the reverse all-to-all (the dispatch's splits swapped)")
+                pytest.fail(f"{where}: differs from the one-device layer x @ W[expert] by up to "
+                            f"{(got['out'] - want_out).abs().max().item():.2e}{hint}", pytrace=False)
+            assert got["x_grad"] is not None and torch.allclose(got["x_grad"], want_x_grad, rtol=1e-10, atol=1e-10), (
+                f"{where}: x.grad differs from the one-device layer's — both all-to-alls must be the differentiable "
+                "all_to_all_rows, and the destination sort an indexing autograd can follow")
+            want_w = w_grad[rank * per:(rank + 1) * per]
+            assert got["w_grad"] is not None and torch.allclose(got["w_grad"], want_w, rtol=1e-10, atol=1e-10), (
+                f"{where}: the local experts' weight gradient differs from the sum over every rank's slots routed "
+                "to them — a row reached the wrong local expert (check local_expert)")
