@@ -43,6 +43,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
@@ -82,6 +83,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
+    convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
     if layout.recompute == "full":
         apply_recompute(model)
     if resolve_compile(cfg.compile, device):
@@ -145,7 +147,8 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
     cfg, mcfg = run.cfg, run.mcfg
     dtype = precision.resolve_dtype(cfg.dtype, run.device)
     micro_tokens = cfg.batch_size // (run.topo.size("dp") * cfg.microbatches) * cfg.seq_len  # one matmul's rows
-    peak, peak_source = peak_for_device(run.device, dtype, cfg.peak_flops, mcfg, micro_tokens)
+    peak_dtype = dtype if cfg.fp8 == "none" else "fp8"  # MFU against the FP8 peak when the GEMMs run in FP8
+    peak, peak_source = peak_for_device(run.device, peak_dtype, cfg.peak_flops, mcfg, micro_tokens)
     return {
         "config": config_to_values(cfg), "model": dataclasses.asdict(mcfg), "world_size": run.env.world_size,
         "parallel": dataclasses.asdict(run.topo.dims), "device": str(run.device), "torch": torch.__version__,
