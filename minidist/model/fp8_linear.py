@@ -88,18 +88,25 @@ def quantize_operand(t: torch.Tensor, role: str, dims: tuple[str, str], recipe: 
 
 
 def scaled_matmul(a: Quantized, b: Quantized) -> torch.Tensor:
-    """a @ bᵀ in fp32 from two operands quantized along their columns (the contraction)."""
-    if a.granularity in ("tensor", "row"):
-        scale_b = b.scale.reciprocal() if b.granularity == "tensor" else b.scale.reciprocal().t().contiguous()
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale.reciprocal(), scale_b=scale_b,
-                                out_dtype=torch.float32)
+    """a @ bᵀ in fp32 from two operands quantized along their columns (the contraction).
+
+    Every call is a tensorwise `_scaled_mm` with an fp32 output (the one form every backend takes: CUDA's rowwise
+    kernel writes only bf16); per-row scales factor out of each dot product, so they multiply the fp32 result."""
+    if a.granularity == "tensor":
+        return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale.reciprocal(),
+                                scale_b=b.scale.reciprocal(), out_dtype=torch.float32)
+    one = torch.ones((), device=a.data.device)
+    if a.granularity == "row":  # scales (M, 1) and (N, 1)
+        product = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=one, scale_b=one,
+                                   out_dtype=torch.float32)
+        return product * a.scale.reciprocal() * b.scale.reciprocal().t()
     inv_a, inv_b, block = per_row_chunk_scales(a).reciprocal(), per_row_chunk_scales(b).reciprocal(), a.block
     out = None
     for c in range(inv_a.shape[1]):  # one block of the contraction per call; partial sums added in fp32
         cols = slice(c * block, (c + 1) * block)
-        part = torch._scaled_mm(a.data[:, cols].contiguous(), b.data[:, cols].contiguous().t(),
-                                scale_a=inv_a[:, c:c + 1].contiguous(), scale_b=inv_b[:, c].reshape(1, -1).contiguous(),
-                                out_dtype=torch.float32)
+        part = torch._scaled_mm(a.data[:, cols].contiguous(), b.data[:, cols].contiguous().t(), scale_a=one,
+                                scale_b=one, out_dtype=torch.float32)
+        part = part * inv_a[:, c:c + 1] * inv_b[:, c].reshape(1, -1)
         out = part if out is None else out + part
     return out
 
