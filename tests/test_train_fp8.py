@@ -16,10 +16,11 @@ from minidist.train import loop as train
 from minidist.train.config import ConfigError, TrainConfig, check_config
 from minidist.train.preflight import resolve_layout
 
-# n_kv_heads 2 splits over tp 2 (kv shards, not replicas: every scale group is one the unsharded layer has).
-MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 32}
+# n_kv_heads 2 splits over tp 2 (kv shards, not replicas: every scale group is one the unsharded layer has). Small:
+# `torch._scaled_mm` on a CPU runs at ~20 M multiply-adds/s (measured), so every FP8 GEMM here is a tiny one.
+MODEL = {"n_layers": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32}
 LINEARS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")  # per block: the FP8 ones (router, head, embedding: not)
-STEPS, MICRO, BATCH, SEQ = 4, 2, 4, 32
+STEPS, MICRO, BATCH, SEQ = 3, 2, 4, 32
 RECIPES = {"tensorwise": {}, "rowwise": {}, "blockwise": dict(fp8_block=16)}
 
 
@@ -44,7 +45,7 @@ class CountScaledMM(TorchDispatchMode):
 def expected_gemms(recipe: str, block: int, tp: int) -> int:
     """_scaled_mm calls per step on one rank: 3 GEMMs per FP8 linear and micro-batch; blockwise one per block of
     each GEMM's contraction (K forward, N input gradient, M tokens weight gradient) of this rank's shard."""
-    d, hd, q, kv, ff = MODEL["d_model"], 16, 4 * 16, 2 * 16, MODEL["d_ff"]
+    d, hd, q, kv, ff = MODEL["d_model"], 16, 2 * 16, 2 * 16, MODEL["d_ff"]
     shapes = {"wq": (q // tp, d), "wk": (kv // tp, d), "wv": (kv // tp, d), "wo": (d, q // tp),
               "w1": (ff // tp, d), "w3": (ff // tp, d), "w2": (d, ff // tp)}
     assert hd * MODEL["n_heads"] == q
@@ -133,6 +134,7 @@ def test_tp_logs_the_one_process_fp8_run(recipe, single, tp_results):
 
 @pytest.mark.parametrize("changes, words", [
     (dict(tp=2, fp8="blockwise"), "not multiples of the block 128"),
+    (dict(tp=2, fp8="blockwise", fp8_block=32), "pick --fp8-block from [16]"),
     (dict(fp8="fp4"), "fp8 'fp4' is unknown"),
     (dict(fp8="blockwise", fp8_block=0), "fp8_block must be >= 1"),
 ])
