@@ -197,3 +197,16 @@ def test_loss_scaler_on_fp16():
         w.grad = torch.zeros_like(w)
         scaler.step(opt, [w])
     assert scaler.scale == 2.0**15
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_linear_makes_every_tensor_on_its_device(recipe):
+    """Under the device sentinel (a tensor made without device= is meta and fails at its first use) the FP8
+    linear's forward and backward run: every scale and constant is made on the input's device."""
+    from device_sentinel import device_sentinel
+
+    x, w = torch.randn(16, 64, device="cpu"), torch.randn(32, 64, device="cpu")
+    g = torch.randn(16, 32, device="cpu")
+    with device_sentinel():
+        got = _linear_run(Fp8Recipe(recipe, block=32), x, w, g)
+    assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in got)
