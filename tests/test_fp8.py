@@ -210,3 +210,16 @@ def test_fp8_linear_makes_every_tensor_on_its_device(recipe):
     with device_sentinel():
         got = _linear_run(Fp8Recipe(recipe, block=32), x, w, g)
     assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in got)
+
+
+def test_mfu_divides_by_the_fp8_peak():
+    """--fp8 on a datasheet chip: the dense FP8 peak (twice bf16 on an H100/H200 SXM); on a CPU, with no FP8 units,
+    the measured fp32 matmul peak, labelled as such."""
+    from minidist import flops, hardware
+    from minidist.model.config import get_preset
+
+    for chip in ("H100-SXM", "H200-SXM"):
+        fp8, bf16 = hardware.peak_flops(chip, "fp8"), hardware.peak_flops(chip)
+        assert fp8 == 1979e12 and 1.99 < fp8 / bf16 < 2.01
+    peak, source = flops.peak_for_device(torch.device("cpu"), "fp8", None, get_preset("tiny"), 64, min_seconds=0.01)
+    assert peak > 0 and "measured cpu fp32 matmul peak" in source
