@@ -163,3 +163,16 @@ def test_bad_fp8_settings_are_one_line_errors(changes, words):
         check_config(config("unused", **changes))
         resolve_layout(config("unused", **changes), 2)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_eval_steps_log_each_fp8_layers_snr(tmp_path):
+    """An evaluation step logs, per FP8 linear, the SNR of its input's and weight's quantization; e4m3's ideal
+    figure is -20 log10 δ = 31.5 dB (test_fp8.py), and a finer scale (rowwise) stays near or above it."""
+    summary = train.train(config(str(tmp_path / "snr"), fp8="rowwise", steps=1, val_fraction=0.1, eval_every=1,
+                                 eval_batches=1))
+    record = trainer_parity.records(str(tmp_path / "snr"))[-1]
+    snr = record["fp8_snr_db"]
+    assert "val_loss" in record and summary["final_val_loss"] is not None
+    assert sorted(snr) == sorted(f"blocks.{i}.{m}.{n}" for i in range(2) for m, names in
+                                 (("attn", LINEARS[:4]), ("mlp", LINEARS[4:])) for n in names)
+    assert all(28 < x < 45 and 28 < w < 45 for x, w in snr.values()), snr

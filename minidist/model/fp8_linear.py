@@ -23,14 +23,15 @@ blocks, which the trainer checks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.model.fp8 import E4M3, E5M2, Quantized, per_row_chunk_scales, quantize
+from minidist.model.fp8 import E4M3, E5M2, Quantized, dequantize, per_row_chunk_scales, quantize, snr_db
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 ROLES = ("input", "weight", "grad")
@@ -178,6 +179,34 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None) -> list[str]:
     for name in names:
         model.blocks.set_submodule(name, Fp8Linear(model.blocks.get_submodule(name), recipe))
     return [f"blocks.{n}" for n in names]
+
+
+@contextlib.contextmanager
+def quantization_snr(model: nn.Module, enabled: bool = True) -> Iterator[dict[str, list[float]]]:
+    """While active, every FP8 linear's forward records the SNR in dB of its forward operands' quantization (with
+    the scales it uses, tp maxima included): {name: [input dB, weight dB]}, the mean over the forwards, filled in
+    when the block exits. Host reads: for evaluation steps only."""
+    seen: dict[str, list[tuple[float, float]]] = {}
+    summary: dict[str, list[float]] = {}
+
+    def hook(name: str) -> Callable:
+        def record(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            recipe, tp = module.fp8, getattr(module, "fp8_tp", None)
+            xq = quantize_operand(x, "input", ("M", "K"), recipe, tp)
+            wq = quantize_operand(module.weight.detach(), "weight", ("N", "K"), recipe, tp)
+            seen.setdefault(name, []).append((snr_db(x, dequantize(xq)), snr_db(module.weight, dequantize(wq))))
+        return record
+
+    modules = [(n, m) for n, m in model.named_modules() if getattr(m, "fp8", None) is not None] if enabled else []
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules]
+    try:
+        yield summary
+    finally:
+        for h in handles:
+            h.remove()
+        for name, values in seen.items():
+            summary[name] = [round(sum(v[i] for v in values) / len(values), 2) for i in (0, 1)]
 
 
 def fp8_gemms_per_step(model: nn.Module, micro_batches: int, tokens: int) -> int:

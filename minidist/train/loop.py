@@ -43,7 +43,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
-from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
@@ -240,7 +240,11 @@ def train_loop(run: Run) -> dict[str, Any]:
         records = read_window(run, pending, meter, started)
         pending = []
         if run.val_batches and _is_due(step, cfg.eval_every, last):
-            records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches, run.autocast)
+            with quantization_snr(run.parallel.model, enabled=cfg.fp8 != "none") as snr:  # FP8: per-layer SNR
+                records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches,
+                                                                                              run.autocast)
+            if snr:
+                records[-1]["fp8_snr_db"] = snr
         if writer:
             writer.write_many(records)
         for record in records:
