@@ -207,17 +207,3 @@ def quantization_snr(model: nn.Module, enabled: bool = True) -> Iterator[dict[st
             h.remove()
         for name, values in seen.items():
             summary[name] = [round(sum(v[i] for v in values) / len(values), 2) for i in (0, 1)]
-
-
-def fp8_gemms_per_step(model: nn.Module, micro_batches: int, tokens: int) -> int:
-    """The `torch._scaled_mm` calls one step makes: three GEMMs per FP8 linear per micro-batch of `tokens` rows;
-    blockwise makes one call per block of each GEMM's contraction (K forward, N input gradient, M weight gradient)."""
-    total = 0
-    for m in model.modules():
-        recipe = getattr(m, "fp8", None)
-        if recipe is None:
-            continue
-        n, k = m.weight.shape
-        size = recipe.block if recipe.name == "blockwise" else max(n, k, tokens)
-        total += sum(-(-d // size) for d in (k, n, tokens))
-    return total * micro_batches
