@@ -294,8 +294,12 @@ def peak_for_device(device: torch.device, dtype: str, override: float | None, cf
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         chip = datasheet_chip(name)
-        if chip is not None:
-            return peak_flops(chip), f"datasheet dense bf16 peak of {chip} ({name}); see minidist/hardware.py"
+        if chip is not None:  # fp8: the FP8 tensor-core peak (1979 TFLOP/s dense on an H100/H200 SXM)
+            peak_dtype = dtype if dtype == "fp8" else "bf16"
+            return (peak_flops(chip, peak_dtype),
+                    f"datasheet dense {peak_dtype} peak of {chip} ({name}); see minidist/hardware.py")
+    if dtype == "fp8":  # no FP8 tensor cores: the FP8 GEMMs are emulated, measured against the fp32 matmul peak
+        dtype = "fp32"
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     shapes = [(s, s, s) for s in (512, 1024, 2048)] + model_matmul_shapes(cfg, tokens)
     peak, (m, k, n) = measure_matmul_peak(shapes, torch_dtype, device, min_seconds)

@@ -92,13 +92,14 @@ CHIPS: tuple[Chip, ...] = (
     # Same datasheet, H100 PCIe: 1,513 TFLOPS with sparsity -> 756 dense. 80GB.
     Chip("H100-PCIe", {"bf16": 756e12}, 80 * GIB, LINKS["pcie5"], LINKS["ib-ndr400"], "H100 PCIe"),
     # Same datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989. 80GB.
-    Chip("H100-SXM", {"bf16": 989e12}, 80 * GIB, LINKS["nvlink4"], LINKS["ib-ndr400"], "H100"),
+    # FP8 (H100 SXM, H800, H200 SXM datasheets): 3,958 TFLOPS with sparsity -> 1979 dense, twice bf16.
+    Chip("H100-SXM", {"bf16": 989e12, "fp8": 1979e12}, 80 * GIB, LINKS["nvlink4"], LINKS["ib-ndr400"], "H100"),
     # NVIDIA H800 SXM product brief: the H100 SXM's compute (1,979 TFLOPS sparse bf16) with cut NVLink -> 989. 80GB.
-    Chip("H800", {"bf16": 989e12}, 80 * GIB, LINKS["nvlink4-h800"], LINKS["ib-ndr400"], "H800"),
+    Chip("H800", {"bf16": 989e12, "fp8": 1979e12}, 80 * GIB, LINKS["nvlink4-h800"], LINKS["ib-ndr400"], "H800"),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 NVL: 1,671 TFLOPS with sparsity -> 835 dense. 141GB.
     Chip("H200-NVL", {"bf16": 835e12}, 141e9, LINKS["pcie5"], LINKS["ib-ndr400"], "H200 NVL"),
     # Same datasheet, H200 SXM: BF16 1,979 TFLOPS with sparsity -> 989 dense. 141GB.
-    Chip("H200-SXM", {"bf16": 989e12}, 141e9, LINKS["nvlink4"], LINKS["ib-ndr400"], "H200"),
+    Chip("H200-SXM", {"bf16": 989e12, "fp8": 1979e12}, 141e9, LINKS["nvlink4"], LINKS["ib-ndr400"], "H200"),
     # NVIDIA HGX B200 datasheet (2024): FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2.25 dense.
     # 180GB per GPU of an HGX B200.
     Chip("B200", {"bf16": 2250e12}, 180e9, LINKS["nvlink5"], LINKS["ib-ndr400"], "B200"),

@@ -79,3 +79,49 @@ class CommPrecision:
 
 
 FP32_COMM = CommPrecision()  # every default: parity with one device, chapter 07's figures
+
+
+class DynamicLossScaler:
+    """Loss scaling for fp16 (Micikevicius et al. 2018, Mixed Precision Training, §3.2): fp16's smallest subnormal is
+    2^-24 ≈ 6e-8, and small gradients flush to zero. Multiply the loss by S (so every gradient is S times larger),
+    divide the gradients by S in fp32 before the step. S is searched for: halve it and skip the step when a gradient
+    overflows (inf/NaN), double it after `growth_interval` clean steps. bf16 has fp32's exponent range: no scaler.
+
+    The check reads one flag on the host per step: a teaching scaler; `torch.amp.GradScaler` fuses it."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1 and init_scale > 0):
+            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, init_scale > 0")
+        self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.good_steps, self.skipped = growth_interval, 0, 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide every gradient by the scale (in place); True when any is inf or NaN (the step must be skipped)."""
+        found_inf = False
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.scale)
+                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
+        return found_inf
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps, self.skipped = 0, self.skipped + 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> bool:
+        """Unscale, step unless a gradient overflowed, update the scale. Returns whether the step was taken."""
+        found_inf = self.unscale_(params)
+        if not found_inf:
+            optimizer.step()
+        self.update(found_inf)
+        return not found_inf

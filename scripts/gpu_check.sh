@@ -7,8 +7,8 @@
 # 1. probes: which SDPA kernels run (flash / cuDNN on sm90), checked against the math kernel and timed; a world-1
 #    process group (NCCL on cuda) through minidist's Comm.
 # 2. parity: a tiny model, 5 steps, fp32, on the CPU and on DEVICE: the losses agree (TF32 on CUDA: 5e-3).
-# 3. throughput: configs/gpu/dense-1b.toml (0.97B, bf16): eager, compiled, and eager with --recompute full
-#    (tokens/s, MFU, peak memory). On --device cpu a 2-layer stand-in of the same config, eager and recomputed.
+# 3. throughput: configs/gpu/dense-1b.toml (0.97B, bf16): eager, compiled, eager with --recompute full, and (cuda
+#    only) eager with --fp8 rowwise (tokens/s, MFU, peak memory). On --device cpu a 2-layer stand-in of the same config, eager and recomputed.
 # 4. layouts (2+ GPUs; on --device cpu, 2 gloo processes): the tiny model under dp (ZeRO 1 and 3), tp+sp, pp,
 #    cp and ep (an MoE variant) with the replica check every step, each against its one-device run, and a
 #    checkpoint round trip (stop after 3 steps, resume to 5) against the straight run. CPU: the round trip only.
@@ -63,7 +63,8 @@ logged "$OUT/tiny-device.log" train "${TINY[@]}" --device "$DEVICE" --out "$OUT/
 echo "== 3. throughput: configs/gpu/dense-1b.toml"
 if [ "$DEVICE" = cuda ]; then
   BIG=(--steps 30 --log-every 10)
-  VARIANTS=("eager:--no-compile" "compiled:--compile" "recompute:--no-compile --recompute full")
+  VARIANTS=("eager:--no-compile" "compiled:--compile" "recompute:--no-compile --recompute full"
+            "fp8-rowwise:--no-compile --fp8 rowwise")  # FP8 GEMMs; MFU against the FP8 peak (chapter 16)
 else  # a stand-in; inductor on a 2-core CPU takes minutes (tests/test_compile.py covers --compile)
   BIG=(--steps 3 --log-every 1 --set model.n_layers=2 --set model.d_model=64 --set model.n_heads=4
        --set model.n_kv_heads=2 --set model.d_ff=128 --seq-len 64 --batch-size 4 --microbatches 1 --max-bytes 200000)

@@ -20,6 +20,7 @@ from minidist.comm.bootstrap import DEVICES
 from minidist.data.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
 from minidist.model.config import ALL_PRESETS
+from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.layout import RECOMPUTE
 from minidist.parallel.pp.schedules import SCHEDULES
@@ -71,6 +72,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # precision and device
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
+    fp8: str = "none"  # FP8 GEMMs of the blocks' linears: none, tensorwise, rowwise, blockwise (model/fp8_linear.py)
+    fp8_block: int = 128  # the blockwise recipe's tile/block size (1 x B activations, B x B weights)
     recompute: str = "none"  # activation recomputation: none, or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
     compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
@@ -127,6 +130,10 @@ FLAGS: list[tuple[str, str]] = [
     ("--grad-clip", "clip the global gradient norm to this value (0: no clipping; the norm is logged anyway)"),
     ("--dtype", "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 autocast (weights, optimizer state and "
                 "gradient reductions stay fp32)"),
+    ("--fp8", "none, or the FP8 recipe of the blocks' linear layers (attention projections, MLPs, shared "
+              "experts): tensorwise, rowwise, or blockwise (1xB/BxB, DeepSeek-V3); the embedding, head, norms, router "
+              "and routed MoE experts stay in --dtype precision, weights and optimizer state in fp32"),
+    ("--fp8-block", "B of --fp8 blockwise; with --tp > 1 every linear's shard must be whole blocks"),
     ("--recompute", "activation recomputation: none, or full (keep each block's input, recompute the block "
                     "in the backward)"),
     ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
@@ -352,7 +359,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
 # The lowest value of each integer setting.
 AT_LEAST = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
             "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-            "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0}
+            "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0, "fp8_block": 1}
 
 
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 24 * 3600.0
@@ -407,8 +414,8 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 
 def _check_choices(cfg: TrainConfig) -> None:
     """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
-    for key, allowed in (("dtype", DTYPES), ("recompute", RECOMPUTE), ("device", DEVICES),
-                         ("schedule", SCHEDULES), ("cp_impl", CP_IMPLS)):
+    for key, allowed in (("dtype", DTYPES), ("fp8", ("none", *FP8_RECIPES)), ("recompute", RECOMPUTE),
+                         ("device", DEVICES), ("schedule", SCHEDULES), ("cp_impl", CP_IMPLS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
 

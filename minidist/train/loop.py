@@ -43,6 +43,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, out_files, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
@@ -85,6 +86,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
+    convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
     if layout.recompute == "full":
         apply_recompute(model)
     if resolve_compile(cfg.compile, device):
@@ -152,7 +154,8 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
     cfg, mcfg = run.cfg, run.mcfg
     dtype = precision.resolve_dtype(cfg.dtype, run.device)
     micro_tokens = cfg.batch_size // (run.topo.size("dp") * cfg.microbatches) * cfg.seq_len  # one matmul's rows
-    peak, peak_source = peak_for_device(run.device, dtype, cfg.peak_flops, mcfg, micro_tokens)
+    peak_dtype = dtype if cfg.fp8 == "none" else "fp8"  # MFU against the FP8 peak when the GEMMs run in FP8
+    peak, peak_source = peak_for_device(run.device, peak_dtype, cfg.peak_flops, mcfg, micro_tokens)
     return {
         "config": config_to_values(cfg), "model": dataclasses.asdict(mcfg), "world_size": run.env.world_size,
         "parallel": dataclasses.asdict(run.topo.dims), "device": str(run.device), "torch": torch.__version__,
@@ -260,7 +263,11 @@ def train_loop(run: Run) -> dict[str, Any]:
         records = read_window(run, pending, meter, started)
         pending = []
         if run.val_batches and _is_due(step, cfg.eval_every, last):
-            records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches, run.autocast)
+            with quantization_snr(run.parallel.model, enabled=cfg.fp8 != "none") as snr:  # FP8: per-layer SNR
+                records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches,
+                                                                                              run.autocast)
+            if snr:
+                records[-1]["fp8_snr_db"] = snr
         if writer:
             writer.write_many(records)
         for record in records:

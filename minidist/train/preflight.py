@@ -23,7 +23,7 @@ from minidist.parallel.cp import validate_context_parallel
 from minidist.parallel.ep.expert import validate_expert_parallel
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.parallel.pp.pipeline import validate_pipeline
-from minidist.parallel.tp.tensor import validate_tensor_parallel
+from minidist.parallel.tp.tensor import validate_fp8_blocks, validate_tensor_parallel
 from minidist.train import run_dir
 from minidist.train.config import ConfigError, TrainConfig, check_config, model_config
 from minidist.trust import faults
@@ -127,6 +127,7 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
                           "it needs --pp > 1")
     try:
         validate_tensor_parallel(mcfg, dims.tp, cfg.seq_len, cfg.sp)
+        validate_fp8_blocks(mcfg, dims.tp, cfg.fp8, cfg.fp8_block)
         validate_context_parallel(mcfg, dims.cp, cfg.cp_impl, cfg.seq_len, dims.tp, cfg.sp)
         validate_expert_parallel(mcfg, dims.ep, dims.dp * dims.cp)
         if dims.pp > 1:

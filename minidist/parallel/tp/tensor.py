@@ -95,6 +95,23 @@ def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = No
         raise ValueError(f"sequence parallel needs seq_len={seq_len} divisible by tp={tp}; pick a multiple of {tp}")
 
 
+def validate_fp8_blocks(cfg: ModelConfig, tp: int, recipe: str, block: int) -> None:
+    """Blockwise FP8 under tp: every shard of a split dimension (heads·head_dim, kv heads·head_dim, d_ff) must be
+    whole blocks, so no 1×B tile or B×B block spans two ranks and each rank's scales are the unsharded layer's."""
+    if recipe != "blockwise" or tp == 1:
+        return
+    if cfg.attention == "mla":
+        raise ValueError("--fp8 blockwise with --tp > 1 is checked for MHA/GQA/MQA blocks only; use --fp8 rowwise "
+                         "or --tp 1 with MLA")
+    kv = cfg.n_kv_heads * cfg.head_dim // tp if cfg.n_kv_heads % tp == 0 else cfg.head_dim
+    shards = {"n_heads*head_dim/tp": cfg.n_heads * cfg.head_dim // tp, "kv shard": kv, "d_ff/tp": cfg.d_ff // tp}
+    bad = {name: size for name, size in shards.items() if size % block}
+    if bad:
+        fits = [b for b in (16, 32, 64, 128) if all(size % b == 0 for size in shards.values())]
+        raise ValueError(f"--fp8 blockwise with tp={tp}: shards {bad} are not multiples of the block {block}; pick "
+                         f"--fp8-block from {fits or 'a common divisor'}")
+
+
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
     """{module name: style} for a `minidist.model.Transformer`. Styles:
 
@@ -216,11 +233,11 @@ def _vocab_embedding(s: _Sharding, model: nn.Module, name: str) -> None:
 
 
 def _colwise(s: _Sharding, model: nn.Module, name: str) -> None:
-    model.set_submodule(name, ColumnParallelLinear(model.get_submodule(name), s.split))
+    model.set_submodule(name, ColumnParallelLinear(model.get_submodule(name), s.split, s.comm))
 
 
 def _colwise_kv(s: _Sharding, model: nn.Module, name: str) -> None:
-    new = ColumnParallelLinear(model.get_submodule(name), s.kv_split)
+    new = ColumnParallelLinear(model.get_submodule(name), s.kv_split, s.comm)
     if s.kv_split.replicas > 1:
         for param in new.parameters():
             sum_grad_over_replicas(param, s.comm)
