@@ -1,0 +1,167 @@
+"""Zero-bubble schedules as data (chapter 15): the backward split into B and W, and W used to fill the bubble.
+
+B(mb, c) computes the gradient of chunk c's input (the previous chunk waits for it), W(mb, c) the gradients of its
+weights (only the optimizer waits for them; `minidist.parallel.pp.split_backward` computes the two halves). With
+T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks together), p ranks, m micro-batches:
+
+- **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1, Fig. 3): 1F1B with B and W apart. Rank r
+  warms up with p−1−r forwards as 1F1B does, then runs F, B and the W of r micro-batches back: the W's it owes
+  fill the waits of the cool-down. B alone is on the critical path: the first gradient is back at rank 0 after
+  (p−1)(T_F+T_B) less than in 1F1B, and the r W's held back fill the drain. The step lasts
+
+      m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W)      against 1F1B's  m(T_F+T_B+T_W) + (p−1)(T_F+T_B+T_W)
+
+  for T_W ≤ T_F (a W longer than the F it stands in for delays the next F: (p−1)(T_B + max(T_F, T_W) − T_W) in
+  general), a third of 1F1B's bubble when the three are equal; rank r holds at most p activations awaiting their
+  W (1F1B's rank 0: the same peak).
+- **ZB-V** (§6, Fig. 8): two chunks per rank placed in a V, rank r holds chunks r and 2p−1−r, so rank 0 holds the
+  first and the last chunk (the loss) and a micro-batch goes down the ranks and back up. The warm-up on the first
+  leg meets the second leg at the bottom of the V. This module's ZB-V keeps each W right after its B (a W never
+  waits, so the order needs no timing); the simulator gives, over every (p, m >= 2p) and cost ratio tested,
+
+      m(T_F+T_B+T_W) + (p−1)(T_B + max(T_F, T_B))/2
+
+  i.e. the warm-up and drain of *half* stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without
+  deferring a W. The paper's ZB-V also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs
+  (not built here). It holds at most 2p chunk activations, the bytes of 1F1B's p full stages.
+
+`zb_bubble_formula` gives these as fractions of the step (the planner calls it); `build_any_schedule` builds every
+schedule of chapters 09 and 15.
+"""
+
+from __future__ import annotations
+
+from minidist.parallel.pp.schedules import (
+    ALL_SCHEDULES,
+    V_SCHEDULES,
+    ZB_SCHEDULES,
+    Action,
+    B,
+    F,
+    W,
+    build_schedule,
+    check_schedule_args,
+    with_communication,
+)
+
+
+def zb1_order(pp: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1: rank r runs 1F1B's warm-up (p−1−r forwards), then F and B alternately with each W r micro-batches
+    behind its B; in the cool-down each B is followed by the oldest W owed, and the rest of the W's close."""
+    m = microbatches
+    orders = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        order = [Action(F, i, r) for i in range(warmup)]
+        owed: list[int] = []
+        for i in range(m):
+            if warmup + i < m:
+                order.append(Action(F, warmup + i, r))
+            order.append(Action(B, i, r))
+            owed.append(i)
+            if warmup + i >= m or len(owed) > r:  # steady state: keep r W's owed; cool-down: pay one per B
+                order.append(Action(W, owed.pop(0), r))
+        order += [Action(W, i, r) for i in owed]
+        orders.append(order)
+    return orders
+
+
+def zbv_order(pp: int, microbatches: int) -> list[list[Action]]:
+    """ZB-V: on rank r, `down` = chunk r (first leg), `up` = chunk 2p−1−r (second leg).
+
+    Warm-up: 2(p−r)−1 forwards down; r pairs (forward up, forward down); then p−r rounds of forward up followed at
+    once by its B and W up (the bottom of the V turns each micro-batch round without waiting). Steady state: a
+    forward down (while any are left), B and W down, a forward up, B and W up. Cool-down: the remaining B's, down
+    and up alternately, each followed by its W; W's never wait, so they close the gaps the B's leave.
+    """
+    p, m = pp, microbatches
+    orders = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
+        order: list[Action] = []
+
+        def run(kind: str, chunk: int, with_w: bool = False) -> None:
+            mb = count[(kind, chunk)]
+            count[(kind, chunk)] += 1
+            order.append(Action(kind, mb, chunk))
+            if with_w:
+                order.append(Action(W, mb, chunk))
+
+        for _ in range(min(2 * (p - r) - 1, m)):
+            run(F, down)
+        for _ in range(r):
+            run(F, up)
+            run(F, down)
+        for _ in range(p - r):
+            run(F, up)
+            run(B, up, with_w=True)
+        while count[(F, up)] < m:
+            if count[(F, down)] < m:
+                run(F, down)
+            run(B, down, with_w=True)
+            run(F, up)
+            run(B, up, with_w=True)
+        while count[(B, down)] < m or count[(B, up)] < m:
+            for chunk in (down, up):
+                if count[(B, chunk)] < m:
+                    run(B, chunk, with_w=True)
+        orders.append(order)
+    return orders
+
+
+def check_any_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """One-line ValueError unless (schedule, p, m, v) make a schedule of chapter 09 or 15."""
+    if schedule not in ZB_SCHEDULES:
+        if schedule not in ALL_SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {ALL_SCHEDULES}")
+        check_schedule_args(schedule, pp, microbatches, virtual_stages)
+        return
+    check_schedule_args("1f1b", pp, microbatches, 1)  # positive integers
+    if schedule == "zbv":
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"zbv places exactly two chunks per rank itself; drop --virtual-stages "
+                             f"{virtual_stages} (or use --schedule interleaved)")
+        if microbatches < 2 * pp:
+            raise ValueError(f"zbv needs microbatches >= 2*pp, got microbatches={microbatches} < {2 * pp}; "
+                             f"use microbatches >= {2 * pp}, or schedule 'zb1'")
+        return
+    if virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (zb1 runs one chunk per "
+                         "rank); use --virtual-stages 1, or --schedule zbv for two chunks per rank")
+    if microbatches < pp:
+        raise ValueError(f"zb1 needs microbatches >= pp, got microbatches={microbatches} < pp={pp}; "
+                         f"use microbatches >= {pp}, or schedule '1f1b'")
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int = 1) -> int:
+    """How many chunks each rank holds: 2 under the V placement (implied), else `virtual_stages`."""
+    return 2 if schedule in V_SCHEDULES else virtual_stages
+
+
+def build_any_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Every rank's ordered actions, communication included, for any schedule of chapters 09 and 15."""
+    check_any_schedule_args(schedule, pp, microbatches, virtual_stages)
+    if schedule == "zb1":
+        return with_communication(zb1_order(pp, microbatches), pp)
+    if schedule == "zbv":
+        return with_communication(zbv_order(pp, microbatches), pp, 2)
+    return build_schedule(schedule, pp, microbatches, virtual_stages)
+
+
+def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: float, t_w: float) -> float:
+    """The step's length by the formulas above (t_* per micro-batch per rank, all its chunks together)."""
+    work = microbatches * (t_f + t_b + t_w)
+    if schedule == "1f1b":
+        return work + (pp - 1) * (t_f + t_b + t_w)
+    if schedule == "zb1":
+        return work + (pp - 1) * (t_b + max(t_f, t_w) - t_w)
+    if schedule == "zbv":
+        return work + (pp - 1) * (t_b + max(t_f, t_b)) / 2
+    raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
+
+
+def zb_bubble_formula(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
+                      t_w: float = 1.0) -> float:
+    """Idle time as a fraction of the step: 1 − m(T_F+T_B+T_W) / makespan."""
+    return 1.0 - microbatches * (t_f + t_b + t_w) / zb_makespan(schedule, pp, microbatches, t_f, t_b, t_w)
