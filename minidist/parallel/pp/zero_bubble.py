@@ -74,40 +74,40 @@ def zbv_order(pp: int, microbatches: int) -> list[list[Action]]:
     forward down (while any are left), B and W down, a forward up, B and W up. Cool-down: the remaining B's, down
     and up alternately, each followed by its W; W's never wait, so they close the gaps the B's leave.
     """
-    p, m = pp, microbatches
-    orders = []
-    for r in range(p):
-        down, up = r, 2 * p - 1 - r
-        count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
-        order: list[Action] = []
+    return [_zbv_rank(pp, microbatches, r) for r in range(pp)]
 
-        def run(kind: str, chunk: int, with_w: bool = False) -> None:
-            mb = count[(kind, chunk)]
-            count[(kind, chunk)] += 1
-            order.append(Action(kind, mb, chunk))
-            if with_w:
-                order.append(Action(W, mb, chunk))
 
-        for _ in range(min(2 * (p - r) - 1, m)):
+def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
+    down, up = r, 2 * p - 1 - r
+    count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
+    order: list[Action] = []
+
+    def run(kind: str, chunk: int, with_w: bool = False) -> None:
+        mb = count[(kind, chunk)]
+        count[(kind, chunk)] += 1
+        order.append(Action(kind, mb, chunk))
+        if with_w:
+            order.append(Action(W, mb, chunk))
+
+    for _ in range(2 * (p - r) - 1):
+        run(F, down)
+    for _ in range(r):
+        run(F, up)
+        run(F, down)
+    for _ in range(p - r):
+        run(F, up)
+        run(B, up, with_w=True)
+    while count[(F, up)] < m:
+        if count[(F, down)] < m:
             run(F, down)
-        for _ in range(r):
-            run(F, up)
-            run(F, down)
-        for _ in range(p - r):
-            run(F, up)
-            run(B, up, with_w=True)
-        while count[(F, up)] < m:
-            if count[(F, down)] < m:
-                run(F, down)
-            run(B, down, with_w=True)
-            run(F, up)
-            run(B, up, with_w=True)
-        while count[(B, down)] < m or count[(B, up)] < m:
-            for chunk in (down, up):
-                if count[(B, chunk)] < m:
-                    run(B, chunk, with_w=True)
-        orders.append(order)
-    return orders
+        run(B, down, with_w=True)
+        run(F, up)
+        run(B, up, with_w=True)
+    while count[(B, down)] < m or count[(B, up)] < m:
+        for chunk in (down, up):
+            if count[(B, chunk)] < m:
+                run(B, chunk, with_w=True)
+    return order
 
 
 def check_any_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
