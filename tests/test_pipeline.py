@@ -26,6 +26,7 @@ from minidist.parallel.pp.p2p import InFlight, Message
 from minidist.parallel.pp.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
 from minidist.parallel.pp.schedules import (
     SCHEDULES,
+    V_SCHEDULES,
     Action,
     B,
     F,
@@ -33,6 +34,7 @@ from minidist.parallel.pp.schedules import (
     build_schedule,
     check_complete,
     forward_only,
+    rank_chunks,
     simulate,
     with_communication,
 )
@@ -226,13 +228,16 @@ class Case:
 # interleaved, which needs m >= pp).
 CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
-    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)],
+    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
+    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4)],  # chapter 15: zb1 m >= p, zbv m >= 2p
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
     + [Case("1f1b", 2, 2, dp=2, data="ddp"), Case("interleaved", 2, 2, 2, dp=2, data="ddp"),
        Case("afab", 2, 2, dp=2, data="zero1")]
-    + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)],
+    + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)]
+    + [Case("zb1", 4, 4), Case("zbv", 4, 8, layers=8), Case("zbv", 2, 4, dp=2, data="ddp"),
+       Case("zb1", 2, 2, tp=2, sp=True)],
 }
 
 
@@ -252,7 +257,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
         loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=tp_comm, reduction="sum")
         if case.sp:  # hidden states between stages are this rank's slice of the sequence
             shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // case.tp, cfg.d_model)  # noqa: E731
-    stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn)
+    stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn, schedule=case.schedule)
     runner = PipelineRunner(stage, pp_comm, case.schedule, case.m, case.v, activation_shape=shape,
                             measure_memory=True)
     optimizer = parity.make_optimizer(stage.parameters())
@@ -354,9 +359,12 @@ def test_bytes_sent_between_stages_match_the_schedule(world: int) -> None:
             continue
         rows = case.batch // case.m
         message = rows * parity.SEQ_LEN * parity.CFG.d_model * 4
+        v_shape = case.schedule in V_SCHEDULES
+        v, n = (2, 2 * case.pp) if v_shape else (case.v, case.pp * case.v)
         for r, result in enumerate(results):
-            chunks = [r + j * case.pp for j in range(case.v)]
-            boundaries = sum(c + 1 < case.pp * case.v for c in chunks) + sum(c > 0 for c in chunks)
+            chunks = rank_chunks(r, case.pp, v, v_shape)  # a neighbour chunk on this rank is handed over locally
+            boundaries = sum(c + 1 < n and c + 1 not in chunks for c in chunks)
+            boundaries += sum(c > 0 and c - 1 not in chunks for c in chunks)
             assert result["send_bytes"] == case.m * boundaries * message, case.name
 
 

@@ -422,8 +422,9 @@ class PipelineRunner:
     def _backward_weight(self, s: _StepState, a: Action) -> None:
         """W: the weights' gradients from what B recorded; the micro-batch's saved tensors go with it."""
         key = (a.mb, a.chunk)
-        with s.no_sync() if s.no_sync is not None and a != s.last_backward else contextlib.nullcontext():
-            backward_weight(s.weight_work.pop(key))
+        quiet = s.no_sync or contextlib.nullcontext  # the last W reduces once all of its backward calls have run
+        with quiet() if a != s.last_backward else contextlib.nullcontext():
+            backward_weight(s.weight_work.pop(key), quiet)
         s.release(key)
 
     def _receive_forward(self, s: _StepState, a: Action) -> None:

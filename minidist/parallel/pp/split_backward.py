@@ -24,8 +24,9 @@ stays alive until W (`retain_graph`): the pipeline's activation accounting relea
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,7 @@ class _Group:
     """Weights that share frontier nodes, and the frontier nodes W starts from: one backward call in W."""
 
     weights: list[torch.Tensor] = field(default_factory=list)
-    frontier: set[Node] = field(default_factory=set)
+    frontier: dict[Node, None] = field(default_factory=dict)  # an ordered set: the same order on every run
 
 
 @dataclass
@@ -95,14 +96,14 @@ def _weight_groups(parents: dict[Node, list[Node]], input_path: set[Node], roots
         weight = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's gradient lands here
         if weight is None or node in input_path:
             continue
-        frontier, seen, queue = set(), {node}, deque([node])
+        frontier, seen, queue = {}, {node}, deque([node])
         while queue:  # up the weights-only branch until the input's path (or an output off it)
             current = queue.popleft()
             if current in roots and current not in input_path:
-                frontier.add(current)
+                frontier[current] = None
             for parent in parents[current]:
                 if parent in input_path:
-                    frontier.add(parent)
+                    frontier[parent] = None
                 elif parent not in seen:
                     seen.add(parent)
                     queue.append(parent)
@@ -110,10 +111,10 @@ def _weight_groups(parents: dict[Node, list[Node]], input_path: set[Node], roots
         group = merged[0] if merged else _Group()
         for other in merged[1:]:  # branches that share a frontier node run in one backward call
             group.weights += other.weights
-            group.frontier |= other.frontier
+            group.frontier.update(other.frontier)
             groups.remove(other)
         group.weights.append(weight)
-        group.frontier |= frontier
+        group.frontier.update(frontier)
         for f in group.frontier:
             owner[f] = group
         if not merged:
@@ -156,8 +157,13 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     return dinputs, WeightWork(groups, received, given)
 
 
-def backward_weight(work: WeightWork) -> None:
-    """W: accumulate the weights' gradients into `.grad` from what B recorded, one backward call per group."""
+def backward_weight(work: WeightWork,
+                    quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """W: accumulate the weights' gradients into `.grad` from what B recorded, one backward call per group.
+
+    Every call but the last runs inside `quiet()`: a data-parallel engine that starts its reduction at the end of a
+    backward (`DataParallel.no_sync`) must see the last call only, once every group has accumulated."""
+    calls = []
     for group in work.groups:
         edges, grads = [], []
         for node in group.frontier:
@@ -168,14 +174,16 @@ def backward_weight(work: WeightWork) -> None:
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        if not edges:
-            continue
+        if edges:
+            calls.append((group, edges, grads))
+    for index, (group, edges, grads) in enumerate(calls):
         # A frontier node downstream of another in the same group would also receive the upstream one's
         # contribution again: pin every frontier node's incoming gradient to what it received in B.
         handles = [node.register_prehook(lambda _, g=work.received[node]: g)
                    for node in group.frontier if len(group.frontier) > 1 and node in work.received]
         try:
-            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
+            with quiet() if index < len(calls) - 1 else contextlib.nullcontext():
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
         finally:
             for handle in handles:
                 handle.remove()
