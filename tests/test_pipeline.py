@@ -216,11 +216,12 @@ class Case:
     batch: int = parity.GLOBAL_BATCH
     data: str = "none"  # "ddp" (overlapped bucketed all-reduce) or "zero1" when dp > 1
     sp: bool = False  # sequence parallel (with tp)
+    tied: bool = False  # tied embeddings: only under zbv here, whose rank 0 holds both uses (no copies to sum)
 
     @property
     def name(self) -> str:
         extra = (f" dp{self.dp}-{self.data}" if self.dp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
-        extra += " sp" if self.sp else ""
+        extra += (" sp" if self.sp else "") + (" tied" if self.tied else "")
         return f"pp{self.pp} {self.schedule} m={self.m} v={self.v} batch={self.batch}{extra}"
 
 
@@ -229,7 +230,8 @@ class Case:
 CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
     + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
-    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4)],  # chapter 15: zb1 m >= p, zbv m >= 2p
+    # chapter 15: zb1 needs m >= p, zbv m >= 2p
+    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True)],
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
@@ -249,7 +251,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
 
     ledger = Ledger()
     pp_comm, dp_comm, tp_comm = topo.comm("pp", ledger), topo.comm("dp_cp", Ledger()), topo.comm("tp", Ledger())
-    cfg = CFG8 if case.layers == 8 else parity.CFG
+    cfg = (CFG8 if case.layers == 8 else parity.CFG).replace(tie_embeddings=case.tied)
     model = build_model(cfg, seed=parity.SEED)
     loss_fn, shape = functools.partial(lm_loss, reduction="sum"), None  # the runner wants Σ token losses
     if case.tp > 1:
@@ -323,9 +325,9 @@ def _results(world: int) -> list[list[dict]]:
 
 
 @functools.lru_cache(maxsize=4)
-def _reference(layers: int, batch: int) -> dict:
+def _reference(layers: int, batch: int, tied: bool = False) -> dict:
     # parity.reference_run's lru_cache cannot hash a ModelConfig; its uncached body is the same harness.
-    cfg = CFG8 if layers == 8 else parity.CFG
+    cfg = (CFG8 if layers == 8 else parity.CFG).replace(tie_embeddings=tied)
     return parity.reference_run.__wrapped__(cfg, parity.STEPS, batch)
 
 
@@ -337,7 +339,7 @@ def _cases() -> list[tuple[int, int]]:
 def test_pipeline_matches_single_device(world: int, index: int) -> None:
     case = CASES[world][index]
     results = _results(world)[index]
-    reference = _reference(case.layers, case.batch)
+    reference = _reference(case.layers, case.batch, case.tied)
     for result in results:  # every rank reports the global mean loss
         parity.assert_losses_match(result["losses"], reference["losses"], case.name)
         parity.assert_losses_match([result["eval_loss"]], reference["losses"][:1], case.name + " evaluate")

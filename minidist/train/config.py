@@ -21,7 +21,7 @@ from minidist.model import ModelConfig, get_preset
 from minidist.model.config import ALL_PRESETS
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.layout import RECOMPUTE
-from minidist.parallel.pp.schedules import SCHEDULES
+from minidist.parallel.pp.schedules import ALL_SCHEDULES
 from minidist.precision import DTYPES
 from minidist.train.blocks import check_can_compile
 from minidist.train.optim import WarmupCosine
@@ -387,7 +387,7 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 def _check_choices(cfg: TrainConfig) -> None:
     """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
     for key, allowed in (("dtype", DTYPES), ("recompute", RECOMPUTE), ("device", DEVICES),
-                         ("schedule", SCHEDULES), ("cp_impl", CP_IMPLS)):
+                         ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
 
