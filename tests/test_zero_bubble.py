@@ -120,7 +120,8 @@ def test_w_runs_no_node_of_the_input_path_again() -> None:
 # The schedules as data, against the simulator
 # ---------------------------------------------------------------------------------------------------------------
 
-RATIOS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1, 2, 2), (2, 2, 1), (1, 1, 2)]  # T_F : T_B : T_W
+RATIOS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1, 2, 2), (2, 2, 1), (1, 1, 2),  # T_F : T_B : T_W
+          (1, 0.5, 1), (3, 0.5, 1), (3, 1, 0.5), (0.5, 3, 1)]  # and far from equal: every term of the max
 GRID = [("zb1", p, m) for p in range(1, 7) for m in range(p, 3 * p + 2)] + [
     ("zbv", p, m) for p in range(1, 7) for m in range(2 * p, 3 * p + 2)]
 

@@ -11,18 +11,19 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
 
       m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W)      against 1F1B's  m(T_F+T_B+T_W) + (p−1)(T_F+T_B+T_W)
 
-  for T_W ≤ T_F (a W longer than the F it stands in for delays the next F: (p−1)(T_B + max(T_F, T_W) − T_W) in
-  general), a third of 1F1B's bubble when the three are equal; rank r holds at most p activations awaiting their
-  W (1F1B's rank 0: the same peak).
+  for T_W ≤ min(T_F, T_B), a third of 1F1B's bubble when the three are equal. In general each of the p−1 steps of
+  the fill and drain still takes at least one F and one B: (p−1)·max(T_F, T_B, T_F+T_B−T_W) (the simulator agrees
+  over every ratio tested). Rank r holds at most p activations awaiting their W (1F1B's rank 0: the same peak).
 - **ZB-V** (§6, Fig. 8): two chunks per rank placed in a V, rank r holds chunks r and 2p−1−r, so rank 0 holds the
   first and the last chunk (the loss) and a micro-batch goes down the ranks and back up. The warm-up on the first
   leg meets the second leg at the bottom of the V. This module's ZB-V keeps each W right after its B (a W never
   waits, so the order needs no timing); the simulator gives, over every (p, m >= 2p) and cost ratio tested,
 
-      m(T_F+T_B+T_W) + (p−1)(T_B + max(T_F, T_B))/2
+      m(T_F+T_B+T_W) + (p−1)·max((T_B + max(T_F, T_B))/2, T_F − min(T_W, (T_B+T_W)/2))
 
-  i.e. the warm-up and drain of *half* stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without
-  deferring a W. The paper's ZB-V also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs
+  (the second term, a warm-up bound by forwards, wins only when forwards are much longer than the rest; both found
+  with the simulator and checked by it over a grid of ratios). The warm-up and drain are made of *half*
+  stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without deferring a W. The paper's ZB-V also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs
   (not built here). It holds at most 2p chunk activations, the bytes of 1F1B's p full stages.
 
 `zb_bubble_formula` gives these as fractions of the step (the planner calls it); `build_any_schedule` builds every
@@ -155,9 +156,9 @@ def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: floa
     if schedule == "1f1b":
         return work + (pp - 1) * (t_f + t_b + t_w)
     if schedule == "zb1":
-        return work + (pp - 1) * (t_b + max(t_f, t_w) - t_w)
+        return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
     if schedule == "zbv":
-        return work + (pp - 1) * (t_b + max(t_f, t_b)) / 2
+        return work + (pp - 1) * max((t_b + max(t_f, t_b)) / 2, t_f - min(t_w, (t_b + t_w) / 2))
     raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
 
 
