@@ -23,8 +23,9 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
 
   (the second term, a warm-up bound by forwards, wins only when forwards are much longer than the rest; both found
   with the simulator and checked by it over a grid of ratios). The warm-up and drain are made of *half*
-  stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without deferring a W. The paper's ZB-V also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs
-  (not built here). It holds at most 2p chunk activations, the bytes of 1F1B's p full stages.
+  stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without deferring a W. The paper's ZB-V
+  also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs (not built here). It holds at
+  most 2p chunk activations, the bytes of 1F1B's p full stages.
 
 `zb_bubble_formula` gives these as fractions of the step (the planner calls it); `build_any_schedule` builds every
 schedule of chapters 09 and 15.
