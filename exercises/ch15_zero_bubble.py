@@ -45,7 +45,11 @@ class DeferredWeightLinear(torch.autograd.Function):
 
 def run_weight_grads(pending: list) -> None:
     """W: for each entry B queued (oldest first), accumulate dW = dyᵀ·x and db = Σ dy over every leading
-    dimension into `.grad`; empty `pending`."""
+    dimension into `.grad`; empty `pending`.
+
+    dy is [..., d_out] and x is [..., d_in] with the same leading dimensions: treat every leading position as one
+    row of a matrix. A weight that already has a gradient (an earlier micro-batch) gets this one added, as autograd
+    would accumulate it. Each entry runs exactly once."""
     raise NotImplementedError("exercise: the weight and bias gradients from the queued dy and x")
 
 
@@ -61,15 +65,27 @@ def zb1_schedule(pp: int, microbatches: int) -> list[list[Action]]:
 
 
 def v_chunk_rank(chunk: int, pp: int) -> int:
-    """The rank that holds `chunk` (0 .. 2p−1) under the V placement: down the ranks, then back up."""
+    """The rank that holds `chunk` (0 .. 2p−1) under the V placement: down the ranks, then back up.
+
+    The model is cut into 2p chunks. The first p go to ranks 0, 1, .., p−1 as in a plain pipeline; the next p come
+    back up, so that the last chunk (the head and the loss) lands on rank 0 beside the first (the embedding).
+    Compare with the loop placement of interleaved 1F1B (chunk c on rank c mod p)."""
     raise NotImplementedError("exercise: the V placement")
 
 
 def v_rank_chunks(rank: int, pp: int) -> list[int]:
-    """The two chunks rank `rank` holds, in model order."""
+    """The two chunks rank `rank` holds, in model order.
+
+    The inverse of `v_chunk_rank`: every chunk c with v_chunk_rank(c, pp) == rank, smallest first. Check it on
+    paper for p = 2 (chunks 0..3) and p = 4 (chunks 0..7): which rank holds two neighbouring chunks, and which rank
+    holds the two ends of the model?"""
     raise NotImplementedError("exercise: the V placement, the other way round")
 
 
 def local_boundaries(pp: int) -> list[tuple[int, int]]:
-    """Every chunk boundary (c, c+1) whose two chunks are on the same rank: handed over without a message."""
+    """Every chunk boundary (c, c+1) whose two chunks are on the same rank: handed over without a message.
+
+    A micro-batch's hidden state crosses each boundary forward (and its gradient backward). Where both chunks sit
+    on one rank the executor hands the tensor over in memory, and the p2p program posts nothing for it: list those
+    boundaries, as (c, c+1) pairs, for any p >= 1."""
     raise NotImplementedError("exercise: where the V turns")
