@@ -60,6 +60,12 @@ def _rank_layouts(root: str) -> dict:
     results["resume"] = {"losses": first["losses"], "resumed_losses": again["losses"],
                          "resumed_from": again["resumed_from"], "hash": first["param_hash"],
                          "resumed_hash": again["param_hash"]}
+    # Chapter 15: a zbv checkpoint (chunks in a V) resumed as 1f1b (chunks in a line) is a resharding resume.
+    out = str(Path(root) / "resume_zbv")
+    zbv = train.train(config(out, pp=2, tp=2, schedule="zbv", microbatches=4, ckpt_every=2, stop_after=2))
+    as_1f1b = train.train(config(out, pp=2, tp=2, schedule="1f1b", microbatches=4, ckpt_every=2, resume=True))
+    results["resume_zbv"] = {"losses": zbv["losses"], "resumed_losses": as_1f1b["losses"],
+                             "resumed_from": as_1f1b["resumed_from"]}
     return results
 
 
@@ -105,6 +111,16 @@ def test_tp_pp_run_resumes_exactly(results) -> None:
         assert out["resumed_from"] == 2
         assert out["resumed_losses"] == out["losses"][2:]
         assert out["resumed_hash"] == out["hash"]  # each rank's part of the parameters, bit for bit
+
+
+def test_a_zbv_checkpoint_resumes_as_1f1b(results, request) -> None:
+    reference = request.getfixturevalue("reference_m4")
+    for r in results:
+        out = r["resume_zbv"]
+        assert out["resumed_from"] == 2 and len(out["losses"]) == 2
+        got, want = out["losses"] + out["resumed_losses"], [rec["loss"] for rec in reference]
+        assert trainer_parity.close(got, want, [rec["step"] + 1 for rec in reference]), (
+            f"zbv run resumed as 1f1b: losses {got} != single process {want}")
 
 
 def _error(world: int, **changes) -> str:

@@ -231,3 +231,28 @@ def test_bad_zero_bubble_layouts_give_one_line_errors(kwargs: dict, match: str) 
     with pytest.raises(ValueError, match=match) as info:
         validate_pipeline(parity.CFG, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_a_zbv_checkpoint_is_another_layout_than_1f1b() -> None:
+    """Same dims and virtual stages, but the V puts other layers on each rank: resuming must reshard, not restore
+    each rank's own files."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from minidist.comm.topology import ParallelDims
+    from minidist.train.run_state import same_layout
+
+    dims = ParallelDims(pp=2)
+
+    def run(schedule: str) -> SimpleNamespace:
+        cfg = SimpleNamespace(zero=0, virtual_stages=1, schedule=schedule)
+        return SimpleNamespace(env=SimpleNamespace(world_size=2), topo=SimpleNamespace(dims=dims), cfg=cfg)
+
+    def meta(schedule: str) -> dict:
+        return {"world_size": 2, "parallel": dataclasses.asdict(dims),
+                "config": {"zero": 0, "virtual_stages": 1, "schedule": schedule}}
+
+    assert same_layout(meta("1f1b"), run("zb1"))  # zb1 places its chunks as 1F1B does
+    assert not same_layout(meta("zbv"), run("1f1b"))
+    assert not same_layout(meta("1f1b"), run("zbv"))
+    assert same_layout(meta("zbv"), run("zbv"))
