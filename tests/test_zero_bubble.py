@@ -258,8 +258,7 @@ def test_a_zbv_checkpoint_is_another_layout_than_1f1b() -> None:
     assert same_layout(meta("zbv"), run("zbv"))
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
-def test_moe_under_the_split_counts_each_routing_once(recompute: bool) -> None:
+def test_moe_under_the_split_counts_each_routing_once() -> None:
     """MoE balancing losses flow through B and W; with recompute the graph is walked twice (B, then W), so the
     checkpoint replays the block twice: the routing statistics must still count each forward once, and the
     gradients equal 1F1B's bit for bit."""
@@ -268,14 +267,14 @@ def test_moe_under_the_split_counts_each_routing_once(recompute: bool) -> None:
 
     cfg = parity.CFG.replace(moe={"n_experts": 4, "top_k": 2, "first_dense_layers": 2})
     inputs, targets = parity.global_batch(0)
-    batches = list(zip(inputs.chunk(4), targets.chunk(4)))
+    batches = list(zip(inputs.chunk(2), targets.chunk(2)))
     runs = {}
     for schedule in ("1f1b", "zb1", "zbv"):
         model = build_model(cfg, seed=parity.SEED)
-        if recompute and schedule != "1f1b":
+        if schedule != "1f1b":  # against the fused backward with stored activations
             apply_recompute(model)
         stage = partition_model(model, 0, 1, schedule=schedule)
-        stats = PipelineRunner(stage, Comm(), schedule, 4, with_aux=True).step(batches, loss_scale=1 / 256)
+        stats = PipelineRunner(stage, Comm(), schedule, 2, with_aux=True).step(batches, loss_scale=1 / 256)
         runs[schedule] = (stats.aux_loss, [layer.step_sums.clone() for layer in moe_layers(stage)],
                           {n: p.grad for n, p in stage.named_parameters()})
     aux, sums, grads = runs["1f1b"]
