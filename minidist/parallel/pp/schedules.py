@@ -219,9 +219,31 @@ def forward_only(pp: int, microbatches: int, virtual_stages: int = 1, v_shape: b
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time as a fraction of the step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1)."""
+    """Idle time as a fraction of the step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1); the zero-bubble schedules
+    (chapter 15) at T_F = T_B = T_W (`zb_bubble_formula` for other costs)."""
+    if schedule in ZB_SCHEDULES:
+        return zb_bubble_formula(schedule, pp, microbatches)
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: float, t_w: float) -> float:
+    """The step's length of 1F1B and the zero-bubble schedules (minidist.parallel.pp.zero_bubble, which derives
+    them) with B and W apart: t_* per micro-batch per rank, all its chunks together."""
+    work = microbatches * (t_f + t_b + t_w)
+    if schedule == "1f1b":
+        return work + (pp - 1) * (t_f + t_b + t_w)
+    if schedule == "zb1":
+        return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
+    if schedule == "zbv":
+        return work + (pp - 1) * max((t_b + max(t_f, t_b)) / 2, t_f - min(t_w, (t_b + t_w) / 2))
+    raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
+
+
+def zb_bubble_formula(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
+                      t_w: float = 1.0) -> float:
+    """Idle time as a fraction of the step: 1 − m(T_F+T_B+T_W) / makespan."""
+    return 1.0 - microbatches * (t_f + t_b + t_w) / zb_makespan(schedule, pp, microbatches, t_f, t_b, t_w)
 
 
 # ---------------------------------------------------------------------------------------------------------------

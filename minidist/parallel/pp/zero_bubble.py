@@ -27,8 +27,8 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
   also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs (not built here). It holds at
   most 2p chunk activations, the bytes of 1F1B's p full stages.
 
-`zb_bubble_formula` gives these as fractions of the step (the planner calls it); `build_any_schedule` builds every
-schedule of chapters 09 and 15.
+`zb_makespan` / `zb_bubble_formula` (in schedules.py, with chapter 09's formulas, where the planner reads them) give
+these; `build_any_schedule` builds every schedule of chapters 09 and 15.
 """
 
 from __future__ import annotations
@@ -44,7 +44,13 @@ from minidist.parallel.pp.schedules import (
     build_schedule,
     check_schedule_args,
     with_communication,
+    zb_bubble_formula,
+    zb_makespan,
 )
+
+# The formulas live beside chapter 09's in schedules.py (the planner reads them there) and are offered here too.
+__all__ = ["zb1_order", "zbv_order", "check_any_schedule_args", "chunks_per_rank", "build_any_schedule",
+           "zb_makespan", "zb_bubble_formula"]
 
 
 def zb1_order(pp: int, microbatches: int) -> list[list[Action]]:
@@ -149,21 +155,3 @@ def build_any_schedule(schedule: str, pp: int, microbatches: int, virtual_stages
     if schedule == "zbv":
         return with_communication(zbv_order(pp, microbatches), pp, 2)
     return build_schedule(schedule, pp, microbatches, virtual_stages)
-
-
-def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: float, t_w: float) -> float:
-    """The step's length by the formulas above (t_* per micro-batch per rank, all its chunks together)."""
-    work = microbatches * (t_f + t_b + t_w)
-    if schedule == "1f1b":
-        return work + (pp - 1) * (t_f + t_b + t_w)
-    if schedule == "zb1":
-        return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
-    if schedule == "zbv":
-        return work + (pp - 1) * max((t_b + max(t_f, t_b)) / 2, t_f - min(t_w, (t_b + t_w) / 2))
-    raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
-
-
-def zb_bubble_formula(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
-                      t_w: float = 1.0) -> float:
-    """Idle time as a fraction of the step: 1 − m(T_F+T_B+T_W) / makespan."""
-    return 1.0 - microbatches * (t_f + t_b + t_w) / zb_makespan(schedule, pp, microbatches, t_f, t_b, t_w)
