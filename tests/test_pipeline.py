@@ -387,6 +387,25 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
                 assert one_f_one_b["peak_bytes"] < afab["peak_bytes"]
 
 
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_zero_bubble_schedules_hold_activations_until_w(world: int) -> None:
+    # Measured with saved-tensor hooks: a micro-batch's tensors live from its F to its W. ZB-H1 holds p micro-batches
+    # on every rank (1F1B: p − r), ZB-V 2p chunk passes; per micro-batch a rank saves what it saves under 1F1B.
+    runs = {(c.schedule, c.pp, c.m): res for c, res in zip(CASES[world], _results(world))
+            if c.dp == c.tp == 1 and not c.tied}
+    checked = 0
+    for (schedule, p, m), results in runs.items():
+        if schedule not in ("zb1", "zbv"):
+            continue
+        want = p if schedule == "zb1" else 2 * p
+        assert [r["peak_in_flight"] for r in results] == [want] * p, (schedule, p, m)
+        if schedule == "zb1":
+            for r, (zb, fused) in enumerate(zip(results, runs[("1f1b", p, m)])):
+                assert zb["peak_bytes"] * (p - r) == fused["peak_bytes"] * p, (p, m, r)
+        checked += 1
+    assert checked == {2: 3, 4: 2}[world]
+
+
 def test_moe_balancing_losses_flow_through_every_stage() -> None:
     # Each chunk adds its own MoE layers' aux loss, scaled by 1/m, to its backward; the first chunk (2 dense layers)
     # has none, and adds nothing.
