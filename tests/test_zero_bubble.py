@@ -152,7 +152,7 @@ def test_every_zero_bubble_schedule_is_complete_and_matches_its_makespan_formula
         assert [_in_flight(order) for order in actions] == [v * p] * p, (schedule, p, m)
 
 
-def test_zb1_has_a_third_of_1f1bs_bubble_at_equal_costs() -> None:
+def test_zb1_has_a_third_of_1f1bs_bubble_and_zbv_a_sixth_at_equal_costs() -> None:
     for p, m in itertools.product(range(2, 7), range(2, 13)):
         if m < p:
             continue
@@ -161,6 +161,9 @@ def test_zb1_has_a_third_of_1f1bs_bubble_at_equal_costs() -> None:
         extra_1f1b = one_f_one_b.makespan - 3 * m
         extra_zb1 = simulate(build_any_schedule("zb1", p, m), 1.0, 1.0, weight=1.0).makespan - 3 * m
         assert extra_zb1 == pytest.approx(extra_1f1b / 3)
+        if m >= 2 * p:
+            extra_zbv = simulate(build_any_schedule("zbv", p, m), 0.5, 0.5, weight=0.5).makespan - 3 * m
+            assert extra_zbv == pytest.approx(extra_1f1b / 6)
 
 
 def test_w_before_its_b_is_caught() -> None:

@@ -236,7 +236,7 @@ def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: floa
     if schedule == "zb1":
         return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
     if schedule == "zbv":
-        return work + (pp - 1) * max((t_b + max(t_f, t_b)) / 2, t_f - min(t_w, (t_b + t_w) / 2))
+        return work + (pp - 1) * max(t_b / 2, t_w / 2, t_f - t_b / 2, t_f - t_w, t_b - t_w)
     raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
 
 

@@ -16,16 +16,16 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
   over every ratio tested). Rank r holds at most p activations awaiting their W (1F1B's rank 0: the same peak).
 - **ZB-V** (§6, Fig. 8): two chunks per rank placed in a V, rank r holds chunks r and 2p−1−r, so rank 0 holds the
   first and the last chunk (the loss) and a micro-batch goes down the ranks and back up. The warm-up on the first
-  leg meets the second leg at the bottom of the V. This module's ZB-V keeps each W right after its B (a W never
-  waits, so the order needs no timing); the simulator gives, over every (p, m >= 2p) and cost ratio tested,
+  leg meets the second leg at the bottom of the V. Until its last forward each W runs right after its B; in the
+  cool-down rank r holds back 2r W's (one per chunk per rank of depth), which fill its waits for gradients, and
+  runs the held W's last. Found with the simulator and checked by it over every (p, m >= 2p) and ratio tested:
 
-      m(T_F+T_B+T_W) + (p−1)·max((T_B + max(T_F, T_B))/2, T_F − min(T_W, (T_B+T_W)/2))
+      m(T_F+T_B+T_W) + (p−1)·max(T_B/2, T_W/2, T_F − T_B/2, T_F − T_W, T_B − T_W)
 
-  (the second term, a warm-up bound by forwards, wins only when forwards are much longer than the rest; both found
-  with the simulator and checked by it over a grid of ratios). The warm-up and drain are made of *half*
-  stages (chunks): (p−1)·T at equal costs, a third of 1F1B's bubble, without deferring a W. The paper's ZB-V
-  also moves W's into the drain to reach (p−1)(T_F+T_B−2T_W), zero at equal costs (not built here). It holds at
-  most 2p chunk activations, the bytes of 1F1B's p full stages.
+  At equal costs (p−1)·T/2, a sixth of 1F1B's bubble: half a stage's forward per rank of depth, which no schedule
+  avoids (rank p−1 starts when the first micro-batch has crossed p−1 chunks). The paper's (p−1)(T_F+T_B−2T_W)
+  counts it zero. Holding the W's back raises no peak: at most 2p chunk activations per rank, the bytes of 1F1B's
+  p full stages (keeping each W right after its B instead gives (p−1)·T).
 
 `zb_makespan` / `zb_bubble_formula` (in schedules.py, with chapter 09's formulas, where the planner reads them) give
 these; `build_any_schedule` builds every schedule of chapters 09 and 15.
@@ -80,7 +80,8 @@ def zbv_order(pp: int, microbatches: int) -> list[list[Action]]:
     Warm-up: 2(p−r)−1 forwards down; r pairs (forward up, forward down); then p−r rounds of forward up followed at
     once by its B and W up (the bottom of the V turns each micro-batch round without waiting). Steady state: a
     forward down (while any are left), B and W down, a forward up, B and W up. Cool-down: the remaining B's, down
-    and up alternately, each followed by its W; W's never wait, so they close the gaps the B's leave.
+    and up alternately; rank r keeps 2r W's owed (a W runs after a B only beyond that), and pays them last: a W
+    never waits, so it fills a gap the B's leave.
     """
     return [_zbv_rank(pp, microbatches, r) for r in range(pp)]
 
@@ -115,7 +116,21 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
         for chunk in (down, up):
             if count[(B, chunk)] < m:
                 run(B, chunk, with_w=True)
-    return order
+    return _hold_back_ws(order, 2 * r)
+
+
+def _hold_back_ws(order: list[Action], hold: int) -> list[Action]:
+    """The same order, but after the last forward each B's W waits until more than `hold` are owed; the owed W's
+    close the step."""
+    last_f = max(i for i, a in enumerate(order) if a.kind == F)
+    out, owed = order[:last_f + 1], []
+    for a in order[last_f + 1:]:
+        if a.kind == B:
+            out.append(a)
+            owed.append(Action(W, a.mb, a.chunk))
+            while len(owed) > hold:
+                out.append(owed.pop(0))
+    return out + owed
 
 
 def check_any_schedule_args(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
