@@ -1,16 +1,19 @@
 """Pipeline-parallel step time: minidist's executor against `torch.distributed.pipelining`, same model, same stages.
 
     .venv/bin/python bench/pp.py [--pp 2] [--microbatches 4] [--d-model 128] [--layers 4] [--batch 16] [--seq 64]
-                                 [--steps 15] [--warmup 3] [--schedules afab,1f1b,interleaved]
+                                 [--steps 15] [--warmup 3] [--schedules afab,1f1b,interleaved,zbv]
 
 On `--pp` gloo CPU ranks both sides cut one built minidist Transformer (same weights) into the same chunks: rank r
-holds chunk r (and r+p with 2 virtual stages, interleaved). minidist runs `PipelineRunner`; torch runs a
-`PipelineStage` per chunk under ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with `lm_loss` as its loss,
-on the same micro-batches. The first step's gradients must agree (per parameter name) before anything is timed. A
+holds chunk r (and r+p with 2 virtual stages, interleaved; r and 2p−1−r under zbv's V). minidist runs
+`PipelineRunner`; torch runs a `PipelineStage` per chunk under ScheduleGPipe / Schedule1F1B /
+ScheduleInterleaved1F1B / ScheduleZBVZeroBubble with `lm_loss` as its loss, on the same micro-batches (zbv needs
+--microbatches >= 2·pp). The first step's gradients must agree (per parameter name) before anything is timed. A
 step is forward + backward of all micro-batches (no optimizer: it would be the same on both sides and only dilute
 the difference). The implementations alternate step by step after a barrier, so a change in machine load hits
 both alike; a step's time is the slowest rank's. Last line: JSON with `ratio` = the geometric mean over the
-schedules of minidist median / torch median, each schedule's ratio in `ratios`, and the largest in `ratio_max`.
+schedules of minidist median / torch median, each schedule's ratio in `ratios`, and the largest in `ratio_max`;
+per schedule also `paired_ratio_<schedule>`, the median of the per-step ratios of the alternating pairs (e.g.
+`paired_ratio_zbv`, chapter 15).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import Transformer, build_model, get_preset, lm_loss
 from minidist.parallel.pp.pipeline import PipelineRunner, partition_model
 
-TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zbv": "ScheduleZBVZeroBubble"}  # zbv: two chunks per rank in a V (chapter 15)
 
 
 class TorchChunk(nn.Module):
@@ -52,9 +56,10 @@ def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, ta
     from torch.distributed import pipelining
 
     pp, rank = topo.size("pp"), topo.coord("pp")
-    v = 2 if schedule == "interleaved" else 1
-    stage = partition_model(build_model(cfg, seed=0), rank, pp, v)
-    runner = PipelineRunner(stage, topo.comm("pp"), schedule, m, v)
+    v = 2 if schedule in ("interleaved", "zbv") else 1
+    stage = partition_model(build_model(cfg, seed=0), rank, pp, v if schedule == "interleaved" else 1,
+                            schedule=schedule)
+    runner = PipelineRunner(stage, topo.comm("pp"), schedule, m)
     batches = list(zip(inputs.chunk(m), targets.chunk(m)))
     torch_model = build_model(cfg, seed=0)
     chunks = nn.ModuleList(TorchChunk(torch_model, c, pp * v) for c in stage.chunks)
@@ -67,8 +72,8 @@ def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, ta
         runner.step(batches, loss_scale=1.0 / targets.numel())  # Σ token losses / tokens: no target is ignored
 
     def theirs() -> None:
-        args = (inputs,) if rank == 0 else ()
-        kwargs = {"target": targets, "losses": []} if rank == pp - 1 else {}
+        args = (inputs,) if 0 in stage.chunks else ()  # under zbv rank 0 holds the first and the last chunk
+        kwargs = {"target": targets, "losses": []} if pp * v - 1 in stage.chunks else {}
         torch_schedule.step(*args, **kwargs)
 
     return ours, theirs, stage, chunks
@@ -139,7 +144,10 @@ def main() -> None:
         ratios[s] = round(ours / theirs, 4)
         print(f"{s:<14}{1e3 * ours:>15.1f}{1e3 * theirs:>13.1f}{ours / theirs:>9.3f}")
     geomean = math.prod(ratios.values()) ** (1 / len(ratios))
-    print(json.dumps({"ratio": round(geomean, 4), "ratios": ratios, "ratio_max": max(ratios.values()),
+    paired = {f"paired_ratio_{s}": round(statistics.median(a / b for a, b in zip(times[f"{s} minidist"],
+                                                                                  times[f"{s} torch"])), 4)
+              for s in schedules}
+    print(json.dumps({"ratio": round(geomean, 4), "ratios": ratios, "ratio_max": max(ratios.values()), **paired,
                       "minidist_ms": {s: round(1e3 * medians[f"{s} minidist"], 2) for s in schedules},
                       "torch_ms": {s: round(1e3 * medians[f"{s} torch"], 2) for s in schedules},
                       "pp": args.pp, "microbatches": args.microbatches, "batch": args.batch, "seq": args.seq,

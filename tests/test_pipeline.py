@@ -26,6 +26,7 @@ from minidist.parallel.pp.p2p import InFlight, Message
 from minidist.parallel.pp.pipeline import PipelineRunner, chunk_layers, partition_model, validate_pipeline
 from minidist.parallel.pp.schedules import (
     SCHEDULES,
+    V_SCHEDULES,
     Action,
     B,
     F,
@@ -33,6 +34,7 @@ from minidist.parallel.pp.schedules import (
     build_schedule,
     check_complete,
     forward_only,
+    rank_chunks,
     simulate,
     with_communication,
 )
@@ -214,11 +216,12 @@ class Case:
     batch: int = parity.GLOBAL_BATCH
     data: str = "none"  # "ddp" (overlapped bucketed all-reduce) or "zero1" when dp > 1
     sp: bool = False  # sequence parallel (with tp)
+    tied: bool = False  # tied embeddings: only under zbv here, whose rank 0 holds both uses (no copies to sum)
 
     @property
     def name(self) -> str:
         extra = (f" dp{self.dp}-{self.data}" if self.dp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
-        extra += " sp" if self.sp else ""
+        extra += (" sp" if self.sp else "") + (" tied" if self.tied else "")
         return f"pp{self.pp} {self.schedule} m={self.m} v={self.v} batch={self.batch}{extra}"
 
 
@@ -226,13 +229,17 @@ class Case:
 # interleaved, which needs m >= pp).
 CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
-    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)],
+    + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
+    # chapter 15: zb1 needs m >= p, zbv m >= 2p
+    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True)],
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
     + [Case("1f1b", 2, 2, dp=2, data="ddp"), Case("interleaved", 2, 2, 2, dp=2, data="ddp"),
        Case("afab", 2, 2, dp=2, data="zero1")]
-    + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)],
+    + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)]
+    + [Case("zb1", 4, 4), Case("zbv", 4, 8, layers=8), Case("zbv", 2, 4, dp=2, data="ddp"),
+       Case("zb1", 2, 2, tp=2, sp=True)],
 }
 
 
@@ -244,7 +251,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
 
     ledger = Ledger()
     pp_comm, dp_comm, tp_comm = topo.comm("pp", ledger), topo.comm("dp_cp", Ledger()), topo.comm("tp", Ledger())
-    cfg = CFG8 if case.layers == 8 else parity.CFG
+    cfg = (CFG8 if case.layers == 8 else parity.CFG).replace(tie_embeddings=case.tied)
     model = build_model(cfg, seed=parity.SEED)
     loss_fn, shape = functools.partial(lm_loss, reduction="sum"), None  # the runner wants Σ token losses
     if case.tp > 1:
@@ -252,7 +259,7 @@ def _run_case(case: Case, topo: Topology) -> dict:
         loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=tp_comm, reduction="sum")
         if case.sp:  # hidden states between stages are this rank's slice of the sequence
             shape = lambda tokens: (tokens.shape[0], tokens.shape[1] // case.tp, cfg.d_model)  # noqa: E731
-    stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn)
+    stage = partition_model(model, topo.coord("pp"), case.pp, case.v, loss_fn=loss_fn, schedule=case.schedule)
     runner = PipelineRunner(stage, pp_comm, case.schedule, case.m, case.v, activation_shape=shape,
                             measure_memory=True)
     optimizer = parity.make_optimizer(stage.parameters())
@@ -318,9 +325,9 @@ def _results(world: int) -> list[list[dict]]:
 
 
 @functools.lru_cache(maxsize=4)
-def _reference(layers: int, batch: int) -> dict:
+def _reference(layers: int, batch: int, tied: bool = False) -> dict:
     # parity.reference_run's lru_cache cannot hash a ModelConfig; its uncached body is the same harness.
-    cfg = CFG8 if layers == 8 else parity.CFG
+    cfg = (CFG8 if layers == 8 else parity.CFG).replace(tie_embeddings=tied)
     return parity.reference_run.__wrapped__(cfg, parity.STEPS, batch)
 
 
@@ -332,7 +339,7 @@ def _cases() -> list[tuple[int, int]]:
 def test_pipeline_matches_single_device(world: int, index: int) -> None:
     case = CASES[world][index]
     results = _results(world)[index]
-    reference = _reference(case.layers, case.batch)
+    reference = _reference(case.layers, case.batch, case.tied)
     for result in results:  # every rank reports the global mean loss
         parity.assert_losses_match(result["losses"], reference["losses"], case.name)
         parity.assert_losses_match([result["eval_loss"]], reference["losses"][:1], case.name + " evaluate")
@@ -354,9 +361,12 @@ def test_bytes_sent_between_stages_match_the_schedule(world: int) -> None:
             continue
         rows = case.batch // case.m
         message = rows * parity.SEQ_LEN * parity.CFG.d_model * 4
+        v_shape = case.schedule in V_SCHEDULES
+        v, n = (2, 2 * case.pp) if v_shape else (case.v, case.pp * case.v)
         for r, result in enumerate(results):
-            chunks = [r + j * case.pp for j in range(case.v)]
-            boundaries = sum(c + 1 < case.pp * case.v for c in chunks) + sum(c > 0 for c in chunks)
+            chunks = rank_chunks(r, case.pp, v, v_shape)  # a neighbour chunk on this rank is handed over locally
+            boundaries = sum(c + 1 < n and c + 1 not in chunks for c in chunks)
+            boundaries += sum(c > 0 and c - 1 not in chunks for c in chunks)
             assert result["send_bytes"] == case.m * boundaries * message, case.name
 
 
@@ -375,6 +385,25 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
             assert afab["peak_bytes"] * min(p - r, m) == one_f_one_b["peak_bytes"] * m
             if m > p - r:
                 assert one_f_one_b["peak_bytes"] < afab["peak_bytes"]
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_zero_bubble_schedules_hold_activations_until_w(world: int) -> None:
+    # Measured with saved-tensor hooks: a micro-batch's tensors live from its F to its W. ZB-H1 holds p micro-batches
+    # on every rank (1F1B: p − r), ZB-V 2p chunk passes; per micro-batch a rank saves what it saves under 1F1B.
+    runs = {(c.schedule, c.pp, c.m): res for c, res in zip(CASES[world], _results(world))
+            if c.dp == c.tp == 1 and not c.tied}
+    checked = 0
+    for (schedule, p, m), results in runs.items():
+        if schedule not in ("zb1", "zbv"):
+            continue
+        want = p if schedule == "zb1" else 2 * p
+        assert [r["peak_in_flight"] for r in results] == [want] * p, (schedule, p, m)
+        if schedule == "zb1":
+            for r, (zb, fused) in enumerate(zip(results, runs[("1f1b", p, m)])):
+                assert zb["peak_bytes"] * (p - r) == fused["peak_bytes"] * p, (p, m, r)
+        checked += 1
+    assert checked == {2: 3, 4: 2}[world]
 
 
 def test_moe_balancing_losses_flow_through_every_stage() -> None:

@@ -30,6 +30,10 @@ LAYOUTS = {
     "pp2 tp2 1f1b": dict(pp=2, tp=2, schedule="1f1b"),
     "pp2 tp2 sp interleaved": dict(pp=2, tp=2, sp=True, schedule="interleaved", virtual_stages=2),
     "pp4 1f1b": dict(pp=4, schedule="1f1b"),  # 2 micro-batches < pp: 1F1B still runs
+    "pp2 dp2 zb1": dict(pp=2, dp=2, schedule="zb1"),  # chapter 15: the gradient sync after the last W
+    # two chunks per rank implied, in a V; zbv needs m >= 2p (the validation batches follow the micro-batch size:
+    # this layout's reference runs 4 micro-batches too)
+    "pp2 tp2 zbv": dict(pp=2, tp=2, schedule="zbv", microbatches=4),
 }
 
 
@@ -56,6 +60,12 @@ def _rank_layouts(root: str) -> dict:
     results["resume"] = {"losses": first["losses"], "resumed_losses": again["losses"],
                          "resumed_from": again["resumed_from"], "hash": first["param_hash"],
                          "resumed_hash": again["param_hash"]}
+    # Chapter 15: a zbv checkpoint (chunks in a V) resumed as 1f1b (chunks in a line) is a resharding resume.
+    out = str(Path(root) / "resume_zbv")
+    zbv = train.train(config(out, pp=2, tp=2, schedule="zbv", microbatches=4, ckpt_every=2, stop_after=2))
+    as_1f1b = train.train(config(out, pp=2, tp=2, schedule="1f1b", microbatches=4, ckpt_every=2, resume=True))
+    results["resume_zbv"] = {"losses": zbv["losses"], "resumed_losses": as_1f1b["losses"],
+                             "resumed_from": as_1f1b["resumed_from"]}
     return results
 
 
@@ -75,10 +85,19 @@ def reference(tmp_path_factory) -> list[dict]:
     return trainer_parity.single_process_records(str(tmp_path_factory.mktemp("single")), config)
 
 
+@pytest.fixture(scope="module")
+def reference_m4(tmp_path_factory) -> list[dict]:
+    """The single-process run with 4 micro-batches (for zbv, which needs m >= 2p)."""
+    return trainer_parity.single_process_records(str(tmp_path_factory.mktemp("single_m4")),
+                                                 functools.partial(config, microbatches=4))
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_logs_the_single_process_run(name, results, reference) -> None:
+def test_layout_logs_the_single_process_run(name, results, reference, request) -> None:
     """Losses (global mean over replicas), gradient norms (over tp shards and pp stages, before clipping; clipping
     is active, so a wrong norm changes the later losses) and validation losses match one process."""
+    if LAYOUTS[name].get("microbatches") == 4:
+        reference = request.getfixturevalue("reference_m4")
     records = results[0][name]["records"]
     trainer_parity.assert_logs_match(name, records, reference)
     for r in results:  # every rank returns the same (global) losses
@@ -92,6 +111,16 @@ def test_tp_pp_run_resumes_exactly(results) -> None:
         assert out["resumed_from"] == 2
         assert out["resumed_losses"] == out["losses"][2:]
         assert out["resumed_hash"] == out["hash"]  # each rank's part of the parameters, bit for bit
+
+
+def test_a_zbv_checkpoint_resumes_as_1f1b(results, request) -> None:
+    reference = request.getfixturevalue("reference_m4")
+    for r in results:
+        out = r["resume_zbv"]
+        assert out["resumed_from"] == 2 and len(out["losses"]) == 2
+        got, want = out["losses"] + out["resumed_losses"], [rec["loss"] for rec in reference]
+        assert trainer_parity.close(got, want, [rec["step"] + 1 for rec in reference]), (
+            f"zbv run resumed as 1f1b: losses {got} != single process {want}")
 
 
 def _error(world: int, **changes) -> str:
@@ -110,6 +139,9 @@ def _error(world: int, **changes) -> str:
     (2, dict(pp=2, virtual_stages=2), "needs schedule='interleaved'"),
     (1, dict(virtual_stages=2), "needs --pp > 1"),
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
+    (2, dict(pp=2, schedule="zbv", microbatches=2), "zbv needs microbatches >= 2*pp"),
+    (2, dict(pp=2, schedule="zb1", virtual_stages=2), "zb1 runs one chunk per rank"),
+    (2, dict(pp=2, schedule="zb2"), "unknown pipeline schedule 'zb2'"),
 ])
 def test_bad_layouts_are_one_line_errors(world, changes, words) -> None:
     """Checked by `resolve_layout`, which runs before any process group is created."""

@@ -129,7 +129,8 @@ def _apply_pipeline(model: nn.Module, mcfg: ModelConfig, topo: Topology, options
                     loss_fn: Callable, materialize: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, object]:
     from minidist.parallel.pp.pipeline import PipelineRunner, partition_model
 
-    stage = partition_model(model, topo.coord("pp"), topo.size("pp"), options.virtual_stages, loss_fn=loss_fn)
+    stage = partition_model(model, topo.coord("pp"), topo.size("pp"), options.virtual_stages, loss_fn=loss_fn,
+                            schedule=options.schedule)
     stage = materialize(stage)  # only this stage's blocks (embedding, head) get storage; the runner needs it
     shape = None
     if options.sequence_parallel:  # between stages travels this tp rank's slice of the sequence

@@ -34,7 +34,8 @@ from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import F, build_schedule, rank_chunks
+from minidist.parallel.pp.schedules import V_SCHEDULES, B, F, W, rank_chunks
+from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
 
@@ -151,8 +152,10 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
     live = peak = 0
-    for action in build_schedule(schedule, pp, microbatches, virtual_stages)[stage]:
-        if action.kind in ("F", "B"):
+    actions = build_any_schedule(schedule, pp, microbatches, virtual_stages)[stage]
+    release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until its W
+    for action in actions:
+        if action.kind in (F, release):
             live += 1 if action.kind == F else -1
             peak = max(peak, live)
     return peak
@@ -226,8 +229,8 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
         transient = max(b for _, b in per_kind)
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
-    last = stage == dims.pp - 1
-    one_chunk_pass = kept / options.virtual_stages
+    last = stage == (0 if options.schedule in V_SCHEDULES else dims.pp - 1)  # the rank that holds the head
+    one_chunk_pass = kept / chunks_per_rank(options.schedule, options.virtual_stages)  # zbv: two chunks implied
     in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
     total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
     if stage == 0:

@@ -33,9 +33,25 @@ from minidist.model.moe.layer import replaying
 from minidist.model.moe.stats import moe_layers
 
 
+class _Replaying:
+    """`replaying(block)` as a context that can be entered again: when the backward's graph is kept and walked twice
+    (a zero-bubble schedule's B and W, chapter 15), the checkpoint recomputes the block once per walk."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block, self.entered = block, []
+
+    def __enter__(self) -> None:
+        context = replaying(self.block)
+        context.__enter__()
+        self.entered.append(context)
+
+    def __exit__(self, *exc) -> bool | None:
+        return self.entered.pop().__exit__(*exc)
+
+
 def _recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
     """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing."""
-    return contextlib.nullcontext(), replaying(block)
+    return contextlib.nullcontext(), _Replaying(block)
 
 
 def _recomputed_forward(forward, *args, **kwargs):

@@ -23,7 +23,7 @@ from minidist.model.config import ALL_PRESETS
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.layout import RECOMPUTE
-from minidist.parallel.pp.schedules import SCHEDULES
+from minidist.parallel.pp.schedules import ALL_SCHEDULES
 from minidist.precision import DTYPES
 from minidist.train.blocks import check_can_compile
 from minidist.train.optim import WarmupCosine
@@ -150,8 +150,9 @@ FLAGS: list[tuple[str, str]] = [
                   "(gather keys/values, Llama 3), ulysses (all-to-all between sequence and heads)"),
     ("--ep", "expert-parallel degree (carved out of dp*cp)"),
     ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
-    ("--schedule", "pipeline schedule with --pp > 1: afab (all forwards, all backwards), 1f1b, interleaved"),
-    ("--virtual-stages", "model chunks per pipeline rank (the interleaved schedule)"),
+    ("--schedule", "pipeline schedule with --pp > 1: afab (all forwards, all backwards), 1f1b, interleaved; "
+                   "zb1, zbv (zero bubble: the backward split into B and W; zbv places two chunks per rank in a V)"),
+    ("--virtual-stages", "model chunks per pipeline rank (the interleaved schedule; zbv implies 2)"),
     ("--eval-every", "validation loss every N steps and at the end (0: only at the end)"),
     ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
     ("--log-every", "progress line every N steps"),
@@ -415,7 +416,7 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 def _check_choices(cfg: TrainConfig) -> None:
     """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
     for key, allowed in (("dtype", DTYPES), ("fp8", ("none", *FP8_RECIPES)), ("recompute", RECOMPUTE),
-                         ("device", DEVICES), ("schedule", SCHEDULES), ("cp_impl", CP_IMPLS)):
+                         ("device", DEVICES), ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
 

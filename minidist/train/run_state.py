@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from minidist.parallel.pp.schedules import V_SCHEDULES
 from minidist.train import checkpoint, optim, reshard
 from minidist.train.config import TrainConfig, config_to_values
 from minidist.train.run import Run
@@ -98,7 +99,9 @@ def same_layout(meta: dict, run: Run) -> bool:
     """Whether the checkpoint's rank files are this run's ranks' own (then each rank restores its own generators)."""
     saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     return (meta.get("world_size") == run.env.world_size and meta.get("parallel") == dataclasses.asdict(run.topo.dims)
-            and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages")))
+            and all(saved.get(k) == getattr(run.cfg, k) for k in ("zero", "virtual_stages"))
+            # zbv places its chunks in a V: the same dims and v hold other layers on each rank than a loop does
+            and (saved.get("schedule") in V_SCHEDULES) == (run.cfg.schedule in V_SCHEDULES))
 
 
 def restore_pieces(run: Run, step_dir: Path, meta: dict, same: bool) -> list[str]:

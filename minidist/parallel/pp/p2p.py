@@ -35,7 +35,19 @@ import torch
 
 from minidist.comm.communicator import Comm, Handle
 from minidist.parallel.pp.nccl_model import RECV, SEND, Op, Post, Wait
-from minidist.parallel.pp.schedules import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, chunk_rank, simulate
+from minidist.parallel.pp.schedules import (
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    chunk_owners,
+    chunk_rank,
+    simulate,
+)
 
 
 class Message(NamedTuple):
@@ -57,9 +69,11 @@ def message_of(a: Action) -> Message:
     raise ValueError(f"{a} moves no message")
 
 
-def peer_of(a: Action, pp: int) -> int:
-    """The pipeline rank on the other end of a communication action."""
-    return chunk_rank(a.chunk + 1 if a.kind in (SEND_F, RECV_B) else a.chunk - 1, pp)
+def peer_of(a: Action, pp: int, owners: dict[int, int] | None = None) -> int:
+    """The pipeline rank on the other end of a communication action; `owners` (chunk → rank, from
+    `schedules.chunk_owners`) for a placement other than chunk mod p."""
+    chunk = a.chunk + 1 if a.kind in (SEND_F, RECV_B) else a.chunk - 1
+    return owners[chunk] if owners is not None else chunk_rank(chunk, pp)
 
 
 class Planned(NamedTuple):
@@ -71,10 +85,12 @@ def p2p_program(schedule: list[list[Action]],
                 shape: Callable[[Message], tuple[int, ...]] | None = None) -> list[list[Planned]]:
     """Every rank's posts and waits for `schedule` (module docstring), in the order the rank issues them.
 
-    Messages between chunks of one rank (pp=1 with virtual stages) are handed over locally and appear nowhere.
+    Messages between chunks of one rank (pp=1 with virtual stages, the bottom of zbv's V) are handed over locally
+    and appear nowhere.
     `shape(message)` only labels the operations (for `nccl_model.replay`); the executor sizes its own buffers.
     """
     pp = len(schedule)
+    owners = chunk_owners(schedule)
     timeline = simulate(schedule)
     starts = [[e.start for e in timeline.events if e.rank == r] for r in range(pp)]  # one per action, in order
     # A message's step: the time its sender finishes computing it; at a tie, forward messages first, each direction
@@ -97,11 +113,11 @@ def p2p_program(schedule: list[list[Action]],
         sending: set[tuple[float, int, int]] = set()  # the steps in which this rank sends
         waits: dict[int, Message] = {}  # action index -> the message its RECV waits for
         for i, a in enumerate(actions):
-            if a.kind in COMPUTE or peer_of(a, pp) == r:
+            if a.kind in COMPUTE or peer_of(a, pp, owners) == r:
                 continue
             message = message_of(a)
             kind = SEND if a.kind in (SEND_F, SEND_B) else RECV
-            op = Op(kind, peer_of(a, pp), message, shape(message) if shape else None)
+            op = Op(kind, peer_of(a, pp, owners), message, shape(message) if shape else None)
             ops.setdefault(step_of[message], []).append(op)
             if kind == SEND:
                 sending.add(step_of[message])

@@ -7,14 +7,12 @@ Three pieces:
    final norm, head and loss with the last chunk. The modules are the model's own, under the model's own names
    ("blocks.5.attn.wq.weight"), so optimizers, checkpoints and parity tests compare parameters by name, and the
    model's own forward runs them (over a chunk's blocks, with or without the embedding and the head).
-2. `PipelineRunner` executes one rank's list of actions from `minidist.parallel.pp.schedules` (any schedule: the
-   executor does not know which one it runs). Activations and gradients travel point to point through
-   `minidist.comm.communicator`, so the ledger sees every byte, in the steps `p2p.p2p_program` plans: each a
-   batch that neighbouring ranks post together, in an order NCCL's tagless, in-order matching cannot deadlock or mix up.
-   The last chunk scores the SUM of its token losses and scales it by the caller's `loss_scale` (replicas / tokens
-   counted in the global batch) before its backward, so the accumulated gradient is that of the mean over every counted
-   token of the batch, whatever each micro-batch counts (scaling micro-batch means by 1/m is right only when all count
-   the same). A micro-batch's saved activations are released by its backward (nothing else holds them), which is what
+2. `PipelineRunner` executes one rank's list of actions (any schedule of `schedules` or `zero_bubble`; it does not
+   know which). Activations and gradients travel through `minidist.comm.communicator` (the ledger sees every byte)
+   in the steps `p2p.p2p_program` plans, an order NCCL's tagless, in-order matching cannot deadlock or mix up. The
+   last chunk scores the SUM of its token losses scaled by the caller's `loss_scale` (replicas / tokens counted in
+   the global batch): the gradient of the mean over every counted token, whatever each micro-batch counts. A
+   micro-batch's saved activations are released by its backward (its W under a zero-bubble schedule), which is what
    makes 1F1B's memory smaller than AFAB's; `measure_memory=True` counts those bytes with saved-tensor hooks.
 3. `validate_pipeline` checks a layout before any process group exists, with one-line errors.
 
@@ -46,15 +44,17 @@ from minidist.parallel.pp.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    V_SCHEDULES,
     Action,
     B,
     Event,
     F,
-    build_schedule,
-    check_schedule_args,
+    W,
     forward_only,
     rank_chunks,
 )
+from minidist.parallel.pp.split_backward import backward_input, backward_weight
+from minidist.parallel.pp.zero_bubble import build_any_schedule, check_any_schedule_args, chunks_per_rank
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
 sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
@@ -71,8 +71,8 @@ def validate_pipeline(cfg: ModelConfig, pp: int, microbatches: int, virtual_stag
     `batch_size` (optional) is the number of sequences one pipeline replica processes per step (global batch / dp);
     it must split into `microbatches` equal micro-batches.
     """
-    check_schedule_args(schedule, pp, microbatches, virtual_stages)
-    check_partition(cfg, pp, virtual_stages)
+    check_any_schedule_args(schedule, pp, microbatches, virtual_stages)
+    check_partition(cfg, pp, chunks_per_rank(schedule, virtual_stages))
     if batch_size is not None and batch_size % microbatches:
         fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         raise ValueError(f"the batch of {batch_size} sequences per pipeline does not split into "
@@ -112,18 +112,19 @@ class StageModule(Transformer):
     """
 
     def __init__(self, model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
-                 loss_fn: LossFn = sum_lm_loss) -> None:
+                 loss_fn: LossFn = sum_lm_loss, v_shape: bool = False) -> None:
         nn.Module.__init__(self)  # adopt the built (maybe tensor-parallel) model's modules; build none
         self.cfg = model.cfg
-        self.pp, self.pp_rank, self.virtual_stages = pp, pp_rank, virtual_stages
+        self.pp, self.pp_rank, self.virtual_stages, self.v_shape = pp, pp_rank, virtual_stages, v_shape
         self.n_chunks = pp * virtual_stages
-        self.chunks = rank_chunks(pp_rank, pp, virtual_stages)
+        self.chunks = rank_chunks(pp_rank, pp, virtual_stages, v_shape)
         layers = chunk_layers(model.cfg.n_layers, pp, virtual_stages)
         self.layers = {c: list(layers[c]) for c in self.chunks}
         self.has_first, self.has_last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         mine = {i for c in self.chunks for i in self.layers[c]}
         # A tied head's weight is the embedding's: the last stage keeps it under its one-process name (the
         # embedding module is never called there); the two copies are kept equal by minidist.parallel.pp.tied.
+        # Under the V placement rank 0 holds both chunks: one copy, both uses' gradients summed by autograd.
         tied = self.has_last and model.lm_head.weight is model.tok_emb.weight
         self.tok_emb = model.tok_emb if self.has_first or tied else None
         self.pos_emb = model.pos_emb if self.has_first else None
@@ -143,13 +144,16 @@ class StageModule(Transformer):
 
 
 def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
-                    loss_fn: LossFn = sum_lm_loss) -> StageModule:
+                    loss_fn: LossFn = sum_lm_loss, schedule: str = "1f1b") -> StageModule:
     """This rank's `StageModule`. Build (and tensor-parallelize) the full model first; the rest is dropped.
-    `loss_fn(logits, targets)` is what the last chunk scores: the SUM of the token losses, in fp32."""
+    `loss_fn(logits, targets)` is what the last chunk scores: the SUM of the token losses, in fp32. A V schedule
+    (zbv) implies two chunks per rank, placed in a V."""
+    v_shape = schedule in V_SCHEDULES
+    virtual_stages = chunks_per_rank(schedule, virtual_stages)
     check_partition(model.cfg, pp, virtual_stages)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
-    return StageModule(model, pp_rank, pp, virtual_stages, loss_fn)
+    return StageModule(model, pp_rank, pp, virtual_stages, loss_fn, v_shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,8 +185,7 @@ class _SavedBytes:
     (`memory.PeakSavedBytes`); `seen`: the storages the last forward saved and still holds, with their bytes."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.params = list(params)
-        self.seen: dict[int, int] = {}
+        self.params, self.seen = list(params), {}
 
     @contextlib.contextmanager
     def count(self):
@@ -205,8 +208,8 @@ class _StepState:
     no_sync: Callable[[], contextlib.AbstractContextManager] | None
     loss_scale: float | torch.Tensor
     wire: InFlight
-    local: bool  # pp=1: every message goes between chunks of this rank, through `mailbox`
-    last_backward: Action | None  # the backward that runs outside `no_sync`
+    chunks: list[int]  # this rank's: a message between two of them goes through `mailbox`
+    last_backward: Action | None  # the backward (W, when the schedule splits it) that runs outside `no_sync`
     loss_sum: torch.Tensor
     aux_sum: torch.Tensor
     stats: StepStats = field(default_factory=StepStats)
@@ -216,6 +219,7 @@ class _StepState:
     out_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received gradients of chunk outputs
     in_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradients of chunk inputs, to send back
     held: dict[Key, int] = field(default_factory=dict)  # saved-for-backward bytes per forward not yet backwarded
+    weight_work: dict[Key, object] = field(default_factory=dict)  # what each B leaves for its W (split_backward)
     mailbox: dict[Message, torch.Tensor] = field(default_factory=dict)  # messages between chunks of this rank
     live: int = 0  # the sum of `held`
 
@@ -225,9 +229,18 @@ class _StepState:
             return self.outputs[(message.mb, message.chunk - 1)].detach()
         return self.in_grads.pop((message.mb, message.chunk + 1))
 
+    def is_local(self, message: Message) -> bool:
+        """Whether the message goes between two chunks of this rank (pp=1, the bottom of zbv's V)."""
+        sender = message.chunk - 1 if message.direction == F else message.chunk + 1
+        return sender in self.chunks and message.chunk in self.chunks
+
     def incoming(self, a: Action) -> torch.Tensor:
         """The message a RECV action takes, waited for already."""
-        return self.mailbox.pop(message_of(a)) if self.local else self.wire.take(message_of(a))
+        message = message_of(a)
+        return self.mailbox.pop(message) if self.is_local(message) else self.wire.take(message)
+
+    def release(self, key: Key) -> None:
+        self.live -= self.held.pop(key)
 
     def hold(self, key: Key, nbytes: int) -> None:
         """Count a forward's saved bytes until its backward releases them."""
@@ -274,14 +287,15 @@ class PipelineRunner:
                  virtual_stages: int | None = None, *, activation_dtype: torch.dtype | None = None,
                  activation_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
                  measure_memory: bool = False, with_aux: bool = False) -> None:
-        v = stage.virtual_stages if virtual_stages is None else virtual_stages
+        v = stage.virtual_stages if virtual_stages is None else chunks_per_rank(schedule, virtual_stages)
         if v != stage.virtual_stages or comm.size != stage.pp or comm.rank != stage.pp_rank:
             raise ValueError(f"the stage ({stage.pp_rank} of pp={stage.pp}, virtual_stages={stage.virtual_stages}) "
                              f"does not match the runner (rank {comm.rank} of {comm.size}, virtual_stages={v})")
         self.stage, self.comm = stage, comm
         self.pp, self.microbatches, self.schedule = stage.pp, microbatches, schedule
-        schedules = build_schedule(schedule, stage.pp, microbatches, v)
+        schedules = build_any_schedule(schedule, stage.pp, microbatches, v)
         self.actions: list[Action] = schedules[stage.pp_rank]
+        self.split = any(a.kind == W for a in self.actions)  # zero-bubble: B and W apart
         self.program: list[Planned] = p2p_program(schedules)[stage.pp_rank]
         self.activation_dtype = activation_dtype or residual_dtype(stage)
         d_model = stage.cfg.d_model
@@ -320,7 +334,7 @@ class PipelineRunner:
                  positions: list[torch.Tensor] | None = None) -> float:
         """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
         rank. Divide by the number of counted targets for the mean."""
-        schedules = forward_only(self.pp, len(batches), self.stage.virtual_stages)
+        schedules = forward_only(self.pp, len(batches), self.stage.virtual_stages, self.stage.v_shape)
         rank = self.stage.pp_rank
         return self._run(schedules[rank], p2p_program(schedules)[rank], batches, autocast, None, 1.0, positions).loss
 
@@ -333,8 +347,9 @@ class PipelineRunner:
         if positions is None:
             positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
         s = _StepState(batches, positions, autocast, no_sync, loss_scale,
-                       wire=InFlight(self.comm, self.activation_dtype, device), local=self.pp == 1,
-                       last_backward=next((a for a in reversed(actions) if a.kind == B), None),
+                       wire=InFlight(self.comm, self.activation_dtype, device), chunks=self.stage.chunks,
+                       last_backward=next((a for a in reversed(actions) if a.kind == W), None)
+                       or next((a for a in reversed(actions) if a.kind == B), None),
                        loss_sum=torch.zeros((), dtype=torch.float32, device=device),
                        aux_sum=torch.zeros((), dtype=torch.float32, device=device))
         due = _due_by_action(program, len(actions))
@@ -385,19 +400,32 @@ class PipelineRunner:
         s.hold(key, sum(self.saved.seen.values()) if self.saved else 0)
 
     def _backward(self, s: _StepState, a: Action) -> None:
-        """B: backpropagate the chunk's output (the scaled loss on the last chunk) and keep its input's gradient."""
+        """B: backpropagate the chunk's output (the scaled loss on the last chunk) and keep its input's gradient.
+        Under a zero-bubble schedule only the input's gradient, and what W will need (`split_backward`)."""
         key, is_last = (a.mb, a.chunk), a.chunk == self.stage.n_chunks - 1
         out = s.outputs.pop(key)
-        tensors = [out * s.loss_scale] if is_last else [out]
-        grads = [None] if is_last else [s.out_grads.pop(key)]
+        tensors, grads = [out * s.loss_scale if is_last else out], [None if is_last else s.out_grads.pop(key)]
         if key in s.aux:
             tensors.append(s.aux.pop(key) / len(s.batches))
             grads.append(None)
-        with s.no_sync() if s.no_sync is not None and a != s.last_backward else contextlib.nullcontext():
-            torch.autograd.backward(tensors, grads)
+        inputs = [s.inputs.pop(key)] if a.chunk > 0 else []
+        if self.split:
+            dinputs, s.weight_work[key] = backward_input(tensors, grads, inputs)
+        else:
+            with s.no_sync() if s.no_sync is not None and a != s.last_backward else contextlib.nullcontext():
+                torch.autograd.backward(tensors, grads)
+            dinputs = [x.grad for x in inputs]
+            s.release(key)
         if a.chunk > 0:
-            s.in_grads[key] = s.inputs.pop(key).grad
-        s.live -= s.held.pop(key)
+            s.in_grads[key] = dinputs[0]
+
+    def _backward_weight(self, s: _StepState, a: Action) -> None:
+        """W: the weights' gradients from what B recorded; the micro-batch's saved tensors go with it."""
+        key = (a.mb, a.chunk)
+        quiet = s.no_sync or contextlib.nullcontext  # the last W reduces once all of its backward calls have run
+        with quiet() if a != s.last_backward else contextlib.nullcontext():
+            backward_weight(s.weight_work.pop(key), quiet)
+        s.release(key)
 
     def _receive_forward(self, s: _StepState, a: Action) -> None:
         """RECV_F: the chunk's input, a leaf that collects its gradient when grad is on."""
@@ -410,9 +438,10 @@ class PipelineRunner:
     def _send(self, s: _StepState, a: Action) -> None:
         """SEND_F / SEND_B: the program posts sends to other ranks; a message to this rank's next chunk (pp=1) is
         handed over here."""
-        if s.local:
+        if s.is_local(message_of(a)):
             s.mailbox[message_of(a)] = s.outgoing(message_of(a)).clone()
 
     _HANDLERS: dict[str, Callable[[PipelineRunner, _StepState, Action], None]] = {
-        F: _forward, B: _backward, RECV_F: _receive_forward, RECV_B: _receive_backward, SEND_F: _send, SEND_B: _send,
+        F: _forward, B: _backward, W: _backward_weight, RECV_F: _receive_forward, RECV_B: _receive_backward,
+        SEND_F: _send, SEND_B: _send,
     }

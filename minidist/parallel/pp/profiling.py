@@ -30,7 +30,7 @@ def profile_pipeline(cfg: ModelConfig, runs: Iterable[tuple[str, int, int]], bat
     targets = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=generator)
     results = []
     for schedule, m, v in runs:
-        stage = partition_model(build_model(cfg, seed), topo.coord("pp"), topo.size("pp"), v)
+        stage = partition_model(build_model(cfg, seed), topo.coord("pp"), topo.size("pp"), v, schedule=schedule)
         ledger = Ledger()
         runner = PipelineRunner(stage, topo.comm("pp", ledger), schedule, m, v, measure_memory=measure_memory)
         batches = list(zip(inputs.chunk(m), targets.chunk(m)))

@@ -38,14 +38,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B)
-SCHEDULES = ("afab", "1f1b", "interleaved")
+COMPUTE = (F, B, W)
+SCHEDULES = ("afab", "1f1b", "interleaved")  # chapter 09: B is the whole backward
+ZB_SCHEDULES = ("zb1", "zbv")  # chapter 15 (minidist.parallel.pp.zero_bubble): B and W split
+ALL_SCHEDULES = SCHEDULES + ZB_SCHEDULES
+V_SCHEDULES = ("zbv",)  # two chunks per rank in a V: rank r holds chunks r and 2p−1−r
 
 
 class Action(NamedTuple):
-    kind: str  # F, B, SEND_F, RECV_F, SEND_B, RECV_B
+    kind: str  # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B
     mb: int  # micro-batch
     chunk: int  # global chunk (virtual stage) index, 0 .. p·v−1
 
@@ -53,14 +56,24 @@ class Action(NamedTuple):
         return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def chunk_rank(chunk: int, pp: int) -> int:
-    """The pipeline rank that holds `chunk`."""
+def chunk_rank(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank that holds `chunk`: chunk mod p (a loop), or under the V placement (zbv) r for the first
+    p chunks and 2p−1−c for the others, so that rank 0 holds the first and the last."""
+    if v_shape:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 
-def rank_chunks(rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """The chunks rank `rank` holds, in model order: rank, rank+p, rank+2p, ..."""
+def rank_chunks(rank: int, pp: int, virtual_stages: int = 1, v_shape: bool = False) -> list[int]:
+    """The chunks rank `rank` holds, in model order: rank, rank+p, rank+2p, ... (V: rank and 2p−1−rank)."""
+    if v_shape:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + j * pp for j in range(virtual_stages)]
+
+
+def chunk_owners(schedule: list[list[Action]]) -> dict[int, int]:
+    """The chunk → rank map a schedule's data says: where each chunk's compute actions are."""
+    return {a.chunk: r for r, order in enumerate(schedule) for a in order if a.kind in COMPUTE}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,7 +159,7 @@ def interleaved_order(pp: int, microbatches: int, virtual_stages: int) -> list[l
 
 
 def with_communication(orders: list[list[Action]], pp: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Add to each rank's compute order the receives before and the sends after each compute action."""
+    """Add to each rank's compute order the receives before and the sends after each F and B (W moves nothing)."""
     last = pp * virtual_stages - 1
     out = []
     for order in orders:
@@ -158,12 +171,14 @@ def with_communication(orders: list[list[Action]], pp: int, virtual_stages: int 
                 actions.append(a)
                 if a.chunk < last:
                     actions.append(Action(SEND_F, a.mb, a.chunk))
-            else:
+            elif a.kind == B:
                 if a.chunk < last:
                     actions.append(Action(RECV_B, a.mb, a.chunk))
                 actions.append(a)
                 if a.chunk > 0:
                     actions.append(Action(SEND_B, a.mb, a.chunk))
+            else:
+                actions.append(a)
         out.append(actions)
     return out
 
@@ -195,18 +210,40 @@ def build_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
     return with_communication(orders, pp, virtual_stages)
 
 
-def forward_only(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+def forward_only(pp: int, microbatches: int, virtual_stages: int = 1, v_shape: bool = False) -> list[list[Action]]:
     """Forwards only (evaluation): each rank runs its chunks in model order, all micro-batches through each."""
-    orders = [[Action(F, i, c) for c in rank_chunks(r, pp, virtual_stages) for i in range(microbatches)]
+    orders = [[Action(F, i, c) for c in rank_chunks(r, pp, virtual_stages, v_shape) for i in range(microbatches)]
               for r in range(pp)]
     return [[a for a in order if a.kind in (F, SEND_F, RECV_F)]
             for order in with_communication(orders, pp, virtual_stages)]
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time as a fraction of the step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1)."""
+    """Idle time as a fraction of the step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1); the zero-bubble schedules
+    (chapter 15) at T_F = T_B = T_W (`zb_bubble_formula` for other costs)."""
+    if schedule in ZB_SCHEDULES:
+        return zb_bubble_formula(schedule, pp, microbatches)
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: float, t_w: float) -> float:
+    """The step's length of 1F1B and the zero-bubble schedules (minidist.parallel.pp.zero_bubble, which derives
+    them) with B and W apart: t_* per micro-batch per rank, all its chunks together."""
+    work = microbatches * (t_f + t_b + t_w)
+    if schedule == "1f1b":
+        return work + (pp - 1) * (t_f + t_b + t_w)
+    if schedule == "zb1":
+        return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
+    if schedule == "zbv":
+        return work + (pp - 1) * max(t_b / 2, t_w / 2, t_f - t_b / 2, t_f - t_w, t_b - t_w)
+    raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
+
+
+def zb_bubble_formula(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
+                      t_w: float = 1.0) -> float:
+    """Idle time as a fraction of the step: 1 − m(T_F+T_B+T_W) / makespan."""
+    return 1.0 - microbatches * (t_f + t_b + t_w) / zb_makespan(schedule, pp, microbatches, t_f, t_b, t_w)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,11 +297,13 @@ def _message_key(a: Action) -> tuple[str, int, int]:
 
 
 def simulate(schedule: list[list[Action]], forward: float | Callable[[Action], float] = 1.0,
-             backward: float | Callable[[Action], float] = 2.0, comm: float = 0.0) -> Timeline:
+             backward: float | Callable[[Action], float] = 2.0, comm: float = 0.0,
+             weight: float | Callable[[Action], float] = 1.0) -> Timeline:
     """Run the schedule on paper: each rank executes its actions in order, a compute action takes its cost, a send
     takes no time and its message arrives `comm` later, a receive waits for its message. No model is run.
 
-    `forward`/`backward` are the cost of one action (one micro-batch through one chunk), or functions of the action.
+    `forward`/`backward`/`weight` are the cost of one F/B/W action (one micro-batch through one chunk), or functions
+    of the action (under a B/W split, `backward` is the input-gradient half B alone).
     Checks the schedule as it goes: a compute action whose input was never received, or a schedule that deadlocks
     (every rank waiting on a message nobody will send), raises ValueError.
     """
@@ -272,6 +311,7 @@ def simulate(schedule: list[list[Action]], forward: float | Callable[[Action], f
     n_chunks = 1 + max(a.chunk for order in schedule for a in order)
     cost_f = forward if callable(forward) else (lambda a, c=forward: c)
     cost_b = backward if callable(backward) else (lambda a, c=backward: c)
+    cost_w = weight if callable(weight) else (lambda a, c=weight: c)
     arrival: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * pp
     cursor = [0] * pp
@@ -294,7 +334,7 @@ def simulate(schedule: list[list[Action]], forward: float | Callable[[Action], f
                     have[r].add(a)
                 else:
                     _check_ready(a, have[r], n_chunks)
-                    end = t + (cost_f(a) if a.kind == F else cost_b(a))
+                    end = t + (cost_f(a) if a.kind == F else cost_b(a) if a.kind == B else cost_w(a))
                     have[r].add(a)
                 timeline.events.append(Event(r, a, t, end))
                 clock[r] = end
@@ -314,17 +354,23 @@ def _check_ready(a: Action, have: set, n_chunks: int) -> None:
             raise ValueError(f"{a} runs before its forward")
         if a.chunk < n_chunks - 1 and Action(RECV_B, a.mb, a.chunk) not in have:
             raise ValueError(f"{a} runs before the gradient of its output was received")
+    if a.kind == W and Action(B, a.mb, a.chunk) not in have:
+        raise ValueError(f"{a} runs before its B (the gradients W starts from)")
 
 
-def check_complete(schedule: list[list[Action]], pp: int, microbatches: int, virtual_stages: int = 1) -> None:
-    """ValueError unless each F and B of every (micro-batch, chunk) appears exactly once, on the chunk's rank."""
-    want = {(k, mb, c) for k in COMPUTE for mb in range(microbatches) for c in range(pp * virtual_stages)}
+def check_complete(schedule: list[list[Action]], pp: int, microbatches: int, virtual_stages: int = 1,
+                   v_shape: bool = False) -> None:
+    """ValueError unless each F and B (and W, if the schedule splits the backward) of every (micro-batch, chunk)
+    appears exactly once, on the chunk's rank."""
+    kinds = COMPUTE if any(a.kind == W for order in schedule for a in order) else (F, B)
+    want = {(k, mb, c) for k in kinds for mb in range(microbatches) for c in range(pp * virtual_stages)}
     seen: list[tuple[str, int, int]] = []
     for r, order in enumerate(schedule):
         for a in order:
             if a.kind in COMPUTE:
-                if chunk_rank(a.chunk, pp) != r:
-                    raise ValueError(f"{a} is on rank {r}, but chunk {a.chunk} lives on rank {chunk_rank(a.chunk, pp)}")
+                owner = chunk_rank(a.chunk, pp, v_shape)
+                if owner != r:
+                    raise ValueError(f"{a} is on rank {r}, but chunk {a.chunk} lives on rank {owner}")
                 seen.append(tuple(a))
     if len(seen) != len(set(seen)) or set(seen) != want:
         missing, extra = sorted(want - set(seen)), sorted(set(seen) - want)
@@ -338,14 +384,14 @@ def check_complete(schedule: list[list[Action]], pp: int, microbatches: int, vir
 
 
 def draw_timeline(timeline: Timeline, ax, title: str = "", label_mb: bool = True) -> None:
-    """One row per rank, one box per compute action: forwards blue, backwards orange, shade by chunk."""
+    """One row per rank, one box per compute action: forwards blue, backwards orange (W green), shade by chunk."""
     import matplotlib.colors as mcolors
 
     t0 = timeline.start
     n_chunks = 1 + max(e.action.chunk for e in timeline.events)
     span = timeline.makespan
     for e in timeline.compute_events():
-        base = "tab:blue" if e.action.kind == F else "tab:orange"
+        base = {F: "tab:blue", B: "tab:orange", W: "tab:green"}[e.action.kind]
         # Later virtual stages of a rank are drawn darker.
         local = e.action.chunk // timeline.pp
         levels = max(1, n_chunks // timeline.pp)

@@ -61,6 +61,8 @@ def tie_across_stages(stage: nn.Module, topo: Topology) -> TiedGrads | None:
     embedding = getattr(stage, "tok_emb", None)
     if not stage.cfg.tie_embeddings or topo.size(TIED) < 2 or embedding is None:
         return None
+    if getattr(stage, "v_shape", False):  # zbv: rank 0 holds the first and the last chunk, so E once, both uses
+        return None
     param = embedding.weight
     param.placement = dataclasses.replace(placement_of(param),
                                           splits={**placement_of(param).splits, TIED: Split(None, 0, 1, 2)})
