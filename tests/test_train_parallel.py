@@ -30,6 +30,8 @@ LAYOUTS = {
     "pp2 tp2 1f1b": dict(pp=2, tp=2, schedule="1f1b"),
     "pp2 tp2 sp interleaved": dict(pp=2, tp=2, sp=True, schedule="interleaved", virtual_stages=2),
     "pp4 1f1b": dict(pp=4, schedule="1f1b"),  # 2 micro-batches < pp: 1F1B still runs
+    # selective recomputation replays the tp collectives between the matmuls in the backward, in the same order
+    "pp2 tp2 sp selective": dict(pp=2, tp=2, sp=True, recompute="selective"),
 }
 
 

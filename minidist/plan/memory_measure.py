@@ -49,8 +49,8 @@ def build_case(cfg: ModelConfig, layout: Layout, data: tuple[torch.Tensor, torch
     model's buffers)."""
     topo = Topology.from_env(layout.dims)
     model = build_model(cfg, seed=seed)
-    if layout.recompute == "full":
-        apply_recompute(model)
+    if layout.recompute != "none":
+        apply_recompute(model, layout.recompute)
     buffers = list(model.buffers())
     parallel = parallelize(model, cfg, topo, layout.options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
     batches = split_batch(*data, topo.coord("dp"), layout.dims.dp, layout.options.microbatches)

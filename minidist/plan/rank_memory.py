@@ -13,7 +13,8 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   s/cp tokens each (chapter 10), the attention and feed-forward tensors divided by tp, the norms too under
   sequence parallelism (whose column-parallel linears then save their gathered input); MoE and MLA layers tensor
   by tensor below; the head: the final norm, the log-softmax of the (vocab-split) logits. Under full recomputation
-  (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`. A
+  (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`; under
+  selective recomputation (`train.blocks.keep_matmuls`) its input and its matmul and attention outputs. A
   pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
   schedule itself (`schedules.build_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09).
 
@@ -201,6 +202,35 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
     return norms + attention + mlp
 
 
+def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int, residual: int) -> float:
+    """Bytes one block keeps under selective recomputation (`train.blocks.keep_matmuls`): its input (the
+    checkpoint's, sequence-split under SP) and the output of every matmul and of the attention kernel; norms, RoPE,
+    SiLU, products, adds and collectives are recomputed. A row-parallel linear's output is whole ([n, d]) on every
+    tp rank before its reduction; MoE experts see n·k rows on average (balanced routing)."""
+    tp, d, n = layout.dims.tp, cfg.d_model, tokens
+    kept = residual * n * d / layout.sp_degree
+    if cfg.attention == "mla":
+        m, h = cfg.mla, cfg.n_heads // tp
+        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        q_path = (m.q_lora_rank + h * d_qk) if m.q_lora_rank else h * d_qk
+        # q's projections, the latent (+ its rope part), wkv_b's keys and values, wo; the kernel's output and lse
+        attention = p * n * (q_path + m.kv_lora_rank + m.qk_rope_head_dim + h * (m.qk_nope_head_dim + d_v) + d)
+        attention += p * n * h * d_v + 4 * n * h
+    else:
+        kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
+        q = cfg.n_heads // tp * cfg.head_dim
+        attention = p * n * (2 * q + 2 * kv + d) + 4 * n * cfg.n_heads // tp  # q, k, v, wo; kernel's output, lse
+    if _is_moe_layer(cfg, layer):
+        moe = cfg.moe
+        d_expert = moe.d_expert or cfg.d_ff
+        slots = n * moe.top_k
+        mlp = p * n * moe.n_experts + p * slots * (2 * d_expert + d)  # router logits; w1, w3 and w2 per row
+        mlp += moe.n_shared_experts * p * n * (2 * d_expert + d)
+    else:
+        mlp = p * n * (2 * cfg.d_ff // tp + d)  # w1, w3 (column-parallel) and w2 (whole before the reduction)
+    return kept + attention + mlp
+
+
 def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
     sp = layout.sp_degree
@@ -224,6 +254,11 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     if layout.recompute == "full":
         kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
         transient = max(b for _, b in per_kind)
+    elif layout.recompute == "selective":
+        selective = [(n, b, selective_layer_bytes(cfg, i, tokens, layout, p, precision.residual))
+                     for (n, b), i in zip(per_kind, [i for n, i in ((n_dense, 0), (n_moe, first_moe)) if n])]
+        kept = sum(n * s for n, _, s in selective)
+        transient = max(max(b - s, 0.0) for _, b, s in selective)  # one block's rebuilt element-wise tensors
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
     last = stage == dims.pp - 1

@@ -65,7 +65,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # precision and device
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
-    recompute: str = "none"  # activation recomputation: none, or full (each block)
+    recompute: str = "none"  # activation recomputation: none, selective (keep matmul outputs) or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
     compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
     device: str = "auto"
@@ -121,8 +121,9 @@ FLAGS: list[tuple[str, str]] = [
     ("--grad-clip", "clip the global gradient norm to this value (0: no clipping; the norm is logged anyway)"),
     ("--dtype", "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 autocast (weights, optimizer state and "
                 "gradient reductions stay fp32)"),
-    ("--recompute", "activation recomputation: none, or full (keep each block's input, recompute the block "
-                    "in the backward)"),
+    ("--recompute", "activation recomputation: none; selective (keep each block's matmul and attention outputs, "
+                    "recompute its norms, RoPE, SiLU and adds in the backward); or full (keep each block's input, "
+                    "recompute the block in the backward)"),
     ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),

@@ -82,8 +82,8 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
-    if layout.recompute == "full":
-        apply_recompute(model)
+    if layout.recompute != "none":
+        apply_recompute(model, layout.recompute)
     if resolve_compile(cfg.compile, device):
         compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
