@@ -109,3 +109,36 @@ def test_text_report_says_why_faster_layouts_fail(capsys):
     why = out.split("do not fit, and why:\n")[1].split("\n\n")[0].splitlines()
     assert len(why) == 3 and all("GiB usable (params" in line for line in why)
     assert "not layouts" in out and "fewer micro-batches than stages" in out
+
+
+def test_heaviest_stage_is_found_in_the_middle():
+    """DeepSeek-V3's first three layers are dense: with pp 32 the third stage holds two MoE blocks to the first's
+    one and every stage's experts whole (ep 1). dp16 cp4 pp32 ep1 ZeRO-1 on 2,048 H800 must not fit, even with one
+    sequence per micro-batch; the first and the last stage alone (the old rule) said it did (40.2 and 49.9 GiB)."""
+    from minidist.hardware import GIB
+    from minidist.plan.rank_memory import BF16_MIXED, stage_classes
+
+    cfg = get_preset("deepseek-v3")
+    layout = Layout.of(dp=16, cp=4, pp=32, ep=1, zero=1, microbatches=960)  # 15,360 sequences / dp 16 = 960
+    worst = estimate_memory(cfg, layout, 4096, 1, BF16_MIXED)
+    every = [estimate_memory(cfg, layout, 4096, 1, BF16_MIXED, s) for s in range(32)]
+    assert worst.total == max(e.total for e in every) and worst.stage not in (0, 31)
+    assert max(every[0].total, every[31].total) < 0.9 * 80 * GIB < worst.total
+    assert worst.total / GIB == pytest.approx(139.6, abs=0.1)
+    # 1F1B keeps p − r micro-batches in flight on stage r: every stage its own class; all at once (AFAB): a few
+    afab = Layout.of(dp=16, cp=4, pp=32, ep=1, zero=1, microbatches=960, schedule="afab")
+    assert len(stage_classes(cfg, layout)) == 32 and len(stage_classes(cfg, afab)) < 8
+
+
+def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
+    from minidist.plan.search import _divisors
+
+    assert _divisors(10**12)[:4] == (1, 2, 4, 5) and len(_divisors(10**12)) == 169  # 13 x 13 exponents of 2 and 5
+    assert main(["--gpus", str(10**12)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than any layout can use" in err
+    # a million micro-batches: the interleaved schedule's peak in flight is counted on 2p of them
+    from minidist.plan.rank_memory import chunks_in_flight
+    assert chunks_in_flight("interleaved", 4, 4 * 10**6, 2, 0) == chunks_in_flight("interleaved", 4, 8, 2, 0)
+    assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000G",
+                 "--top", "1", "--json"]) == 0

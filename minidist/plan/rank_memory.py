@@ -65,6 +65,7 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     recompute_transient: float = 0.0  # the block recomputed in the backward (full recompute), on top of the rest
+    stage: int = 0  # the pipeline rank these bytes are for (the heaviest, when the estimate is for a layout)
 
     @property
     def total(self) -> float:
@@ -151,6 +152,10 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         return microbatches * virtual_stages
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
+    if microbatches > 2 * pp and microbatches % pp == 0:
+        # the interleaved warm-up is the same from m = 2p on (tests/test_memory_estimate.py checks it): counting on
+        # a schedule of 2p micro-batches keeps a search over millions of micro-batches from building them all
+        return chunks_in_flight(schedule, pp, 2 * pp, virtual_stages, stage)
     live = peak = 0
     for action in build_schedule(schedule, pp, microbatches, virtual_stages)[stage]:
         if action.kind in ("F", "B"):
@@ -272,12 +277,27 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
                     stage: int | None = None) -> MemoryEstimate:
-    """Bytes per rank of pipeline stage `stage` (None: the stage with the largest total, the first or the last:
-    the first holds the most layers (`chunk_layers` gives earlier chunks the extra ones), the embedding and the
-    most micro-batches in flight; the last holds the head)."""
+    """Bytes per rank of pipeline stage `stage`; None: of the heaviest stage, named in `MemoryEstimate.stage`.
+
+    Which stage that is depends on the layer mix and the micro-batches in flight: the first holds the embedding and
+    the most micro-batches in flight, the last the head, but a middle stage of an MoE model whose first layers are
+    dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at; stages of one class
+    (the same dense and MoE blocks, the same chunks in flight, neither first nor last) weigh the same, so each
+    class is evaluated once."""
     if stage is None:
-        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.dims.pp - 1}]
-        return max(stages, key=lambda e: e.total)
+        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in stage_classes(
+            cfg, layout)), key=lambda e: e.total)
     states = model_state_bytes(cfg, layout, precision, stage)
     acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)
-    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient)
+    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
+
+
+def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:
+    """One pipeline rank of each class of equal memory (blocks by kind, chunks in flight, first, last)."""
+    dims, o = layout.dims, layout.options
+    first: dict[tuple, int] = {}
+    for s in range(dims.pp):
+        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s),
+               chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s), s == 0, s == dims.pp - 1)
+        first.setdefault(key, s)
+    return list(first.values())

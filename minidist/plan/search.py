@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -89,8 +90,24 @@ def global_batch_sequences(tokens: int, seq_len: int) -> int:
     return tokens // seq_len
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, ascending, by trial division up to √n (10^12 in about 0.1 s; O(n) hung on large inputs)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return tuple(small + large[::-1])
+
+
+def most_gpus(cfg: ModelConfig, seq_len: int, sequences: int, gpus_per_node: int) -> int:
+    """The most GPUs any layout of the search can use: every sequence its own replica, tp a node, cp down to
+    `MIN_CP_TOKENS` per rank, a stage per layer."""
+    return sequences * min(gpus_per_node, cfg.n_heads) * max(seq_len // MIN_CP_TOKENS, 1) * cfg.n_layers
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, cluster: Cluster,
@@ -138,6 +155,11 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     sequences = global_batch_sequences(global_tokens, seq_len)
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    most = most_gpus(cfg, seq_len, sequences, cluster.gpus_per_node)
+    if gpus > most:
+        raise ValueError(f"--gpus {gpus:,} is more than any layout can use for {sequences:,} sequences of {seq_len} "
+                         f"tokens ({most:,}: dp up to the sequences, tp a node, cp to {MIN_CP_TOKENS} tokens per "
+                         "rank, pp a layer per stage); use fewer GPUs or a larger --global-batch-tokens")
     refused: Counter = Counter()
     budget = cluster.memory_bytes * cluster.usable_memory
     feasible, rejected = [], []
