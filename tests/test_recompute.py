@@ -1,5 +1,6 @@
-"""Activation recomputation (--recompute full, selective): the same losses and gradients as keeping every activation, and the
-activation memory of full recomputation is one [B, T, d] block input per block, measured by tensor accounting."""
+"""Activation recomputation (--recompute full, selective): the same losses and gradients as keeping every
+activation, and the activation memory of full recomputation is one [B, T, d] block input per block, of selective
+the memory model's, measured by tensor accounting."""
 
 import pytest
 import torch

@@ -41,7 +41,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from minidist.model.moe.layer import replaying
 from minidist.model.moe.stats import moe_layers
 
-
 RECOMPUTE_MODES = ("full", "selective")
 
 # The operators whose outputs selective recomputation keeps: the matrix products (a linear on a [B, T, d] input is

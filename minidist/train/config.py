@@ -401,6 +401,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.loss_chunk and cfg.zero == 3:
         raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
                           "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
+    if cfg.recompute == "selective" and cfg.cp > 1:
+        raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
+                          "keys, and the policy would keep every block's output; use --recompute full or --cp 1")
 
 
 def _check_data(cfg: TrainConfig) -> None:
