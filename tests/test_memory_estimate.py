@@ -107,12 +107,12 @@ def test_dense_block_is_chapter_01s_count():
 
 
 @pytest.mark.parametrize("pp, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
-def test_interleaved_in_flight_is_the_same_from_2p_micro_batches(pp, v):
-    """`chunks_in_flight` counts on a schedule of 2p micro-batches for any larger multiple of p: the warm-up, and
-    so the peak, no longer changes from there (checked on the built schedules)."""
+def test_interleaved_in_flight_is_megatrons_warm_up(pp, v):
+    """`chunks_in_flight` of the interleaved schedule with m a multiple of p is Megatron's warm-up plus one,
+    2(p − r − 1) + (v − 1)p + 1 (at most m·v), a formula: checked here on the built schedules."""
     from minidist.parallel.pp.schedules import F, build_schedule
 
-    for m in (3 * pp, 5 * pp):
+    for m in (pp, 2 * pp, 3 * pp, 5 * pp):
         for stage, actions in enumerate(build_schedule("interleaved", pp, m, v)):
             live = peak = 0
             for action in actions:

@@ -137,7 +137,7 @@ def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
     assert main(["--gpus", str(10**12)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "more than any layout can use" in err
-    # a million micro-batches: the interleaved schedule's peak in flight is counted on 2p of them
+    # a million micro-batches: the interleaved peak in flight is a formula, no schedule built
     from minidist.plan.rank_memory import chunks_in_flight
     assert chunks_in_flight("interleaved", 4, 4 * 10**6, 2, 0) == chunks_in_flight("interleaved", 4, 8, 2, 0)
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000G",

@@ -152,10 +152,11 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         return microbatches * virtual_stages
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
-    if microbatches > 2 * pp and microbatches % pp == 0:
-        # the interleaved warm-up is the same from m = 2p on (tests/test_memory_estimate.py checks it): counting on
-        # a schedule of 2p micro-batches keeps a search over millions of micro-batches from building them all
-        return chunks_in_flight(schedule, pp, 2 * pp, virtual_stages, stage)
+    if microbatches % pp == 0:
+        # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)p forwards, then one more before the first backward
+        # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
+        # search asks this for millions of micro-batches, which are not worth building
+        return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
     live = peak = 0
     for action in build_schedule(schedule, pp, microbatches, virtual_stages)[stage]:
         if action.kind in ("F", "B"):
