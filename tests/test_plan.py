@@ -125,9 +125,8 @@ def test_heaviest_stage_is_found_in_the_middle():
     assert worst.total == max(e.total for e in every) and worst.stage not in (0, 31)
     assert max(every[0].total, every[31].total) < 0.9 * 80 * GIB < worst.total
     assert worst.total / GIB == pytest.approx(139.6, abs=0.1)
-    # 1F1B keeps p − r micro-batches in flight on stage r: every stage its own class; all at once (AFAB): a few
-    afab = Layout.of(dp=16, cp=4, pp=32, ep=1, zero=1, microbatches=960, schedule="afab")
-    assert len(stage_classes(cfg, layout)) == 32 and len(stage_classes(cfg, afab)) < 8
+    # stages with the same blocks and role: only the one with the most in flight can be the heaviest
+    assert len(stage_classes(cfg, layout)) <= 5
 
 
 def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):

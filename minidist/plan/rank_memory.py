@@ -282,9 +282,8 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
 
     Which stage that is depends on the layer mix and the micro-batches in flight: the first holds the embedding and
     the most micro-batches in flight, the last the head, but a middle stage of an MoE model whose first layers are
-    dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at; stages of one class
-    (the same dense and MoE blocks, the same chunks in flight, neither first nor last) weigh the same, so each
-    class is evaluated once."""
+    dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
+    class of stages that could be the heaviest evaluated once."""
     if stage is None:
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in stage_classes(
             cfg, layout)), key=lambda e: e.total)
@@ -294,11 +293,14 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
 
 
 def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:
-    """One pipeline rank of each class of equal memory (blocks by kind, chunks in flight, first, last)."""
+    """The pipeline ranks that could be the heaviest: of the stages with the same blocks (dense and MoE) and the
+    same role (first, last, neither), the one with the most chunks in flight (more in flight, more activations,
+    the same model states)."""
     dims, o = layout.dims, layout.options
-    first: dict[tuple, int] = {}
+    most: dict[tuple, tuple[int, int]] = {}  # class -> (chunks in flight, stage)
     for s in range(dims.pp):
-        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s),
-               chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s), s == 0, s == dims.pp - 1)
-        first.setdefault(key, s)
-    return list(first.values())
+        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s), s == 0, s == dims.pp - 1)
+        flight = chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s)
+        if key not in most or flight > most[key][0]:
+            most[key] = (flight, s)
+    return [s for _, s in most.values()]
