@@ -141,3 +141,37 @@ def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
     assert chunks_in_flight("interleaved", 4, 4 * 10**6, 2, 0) == chunks_in_flight("interleaved", 4, 8, 2, 0)
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000G",
                  "--top", "1", "--json"]) == 0
+
+
+LLAMA_16K = ["--model", "llama3-405b", "--gpus", "16384", "--gpu", "H100-SXM", "--seq-len", "8192",
+             "--global-batch-tokens", "16M"]
+
+
+def test_explain_prints_every_stage_and_the_terms(capsys):
+    assert main([*LLAMA_16K, "--explain", "dp=128 tp=8 pp=16 cp=1 ep=1"]) == 0
+    out = capsys.readouterr().out.split("\n\n")[-1]
+    stages = [line for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert len(stages) == 16 and sum("<- heaviest" in line for line in stages) == 1
+    assert "compute" in out and "bubble" in out and "dp exposed" in out and "not modelled: FP8" in out
+    assert main([*LLAMA_16K, "--explain", "dp=128 tp=8 pp=16 cp=1 ep=1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert tuple(row)[:-1] == JSON_KEYS and row["fits"] is True and row["rank"] > 1
+    assert (row["dp"], row["tp"], row["pp"], row["virtual_stages"]) == (128, 8, 16, 8)  # uneven chunks interleave
+    assert 0.75 <= row["step_s"] / 6.5 <= 1.25  # the published step: 400 TFLOP/s per GPU (docs/PUBLISHED_RUNS.md)
+    # a layout the search refuses is evaluated as given; a bad setting is one line
+    assert main([*TINY_ARGS, "--explain", "dp=8 recompute=selective", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recompute"] == "selective"
+    assert main([*TINY_ARGS, "--explain", "dq=8"]) == 2
+    assert "is not SETTING=VALUE" in capsys.readouterr().err
+
+
+def test_published_llama_rows_are_the_docs():
+    """docs/PUBLISHED_RUNS.md's Llama 3 rows are what `plan.published` computes now (the DeepSeek-V3 row, a longer
+    search, is checked by notebook 12)."""
+    from pathlib import Path
+
+    from minidist.plan.published import hold, published_runs, table
+
+    docs = (Path(__file__).parent.parent / "docs" / "PUBLISHED_RUNS.md").read_text()
+    for row in table([hold(run) for run in published_runs()[:2]]).splitlines()[2:]:
+        assert row in docs, row

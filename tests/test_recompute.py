@@ -127,3 +127,10 @@ def test_selective_recompute_memory_is_the_models():
     assert measured["selective"] == modelled["selective"] == B * T * (10 * d * 4 + 4 * MODEL["n_heads"])
     assert measured["none"] == pytest.approx(modelled["none"], rel=0.05)
     assert measured["selective"] < 0.6 * measured["none"]
+
+
+def test_selective_recompute_with_context_parallel_is_refused(tmp_path):
+    from minidist.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--recompute selective with --cp > 1"):
+        train.train(small_config(tmp_path / "cp", steps=1, recompute="selective", cp=2))

@@ -19,6 +19,7 @@ from minidist.plan.step_time import Cluster, StepTime, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("FP8 matmuls (bf16 peak throughout)", "DualPipe and zero-bubble schedules (1F1B, interleaved, AFAB only)",
+            "node-limited routing and FP8 dispatch (every all-to-all charged in bf16 over the whole ep group)",
             "Llama 3's exact uneven stages (its first and last stage one layer fewer; here the last chunks are the "
             "short ones: the same busiest stage; the trainer interleaves equal chunks only)")
 
