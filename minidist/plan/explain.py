@@ -14,7 +14,7 @@ from typing import Any
 from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
-from minidist.plan.rank_memory import Precision, estimate_memory
+from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import Cluster, StepTime, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
@@ -34,13 +34,6 @@ def parse_settings(text: str) -> dict[str, Any]:
         out[key] = value if key in ("recompute", "schedule", "cp_impl") else \
             value.lower() in ("1", "true", "yes") if key in ("sequence_parallel", "tp_reduce_fp32") else int(value)
     return out
-
-
-def pick(plan, settings: dict[str, Any]):
-    """(rank among the layouts that fit or None, the candidate): the fastest of the search with `settings`."""
-    from minidist.plan.search import rank_of  # the search imports this module's printer
-
-    return rank_of(plan, **settings)
 
 
 def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision) -> list[str]:
@@ -65,29 +58,24 @@ def time_terms(t: StepTime) -> list[str]:
 
 
 def evaluate(cfg: ModelConfig, layout: Layout, seq_len: int, sequences: int, cluster: Cluster,
-             precision: Precision):
-    """A layout outside the search, as a candidate."""
-    from minidist.plan.search import Candidate
-
+             precision: Precision) -> tuple[MemoryEstimate, StepTime, bool]:
+    """A layout outside the search: (memory of its heaviest stage, step time, whether it fits)."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
     memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
     budget = cluster.memory_bytes * cluster.usable_memory
-    return Candidate(layout, memory, predict_step(cfg, layout, seq_len, sequences, cluster, precision),
-                     memory.total <= budget)
+    return memory, predict_step(cfg, layout, seq_len, sequences, cluster, precision), memory.total <= budget
 
 
-def format_explain(cfg: ModelConfig, candidate, rank: int | None, n_feasible: int, seq_len: int, sequences: int,
-                   precision: Precision, budget: float) -> str:
-    from minidist.plan.search import describe_layout
-
-    layout = candidate.layout
+def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepTime, fits: bool, rank: int | None,
+                   n_feasible: int, seq_len: int, sequences: int, precision: Precision, budget: float) -> str:
+    """The --explain report: the layout (`described` in words), its place, memory per stage, time by term."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
     place = f"rank {rank} of {n_feasible} that fit" if rank else \
-        ("does not fit" if not candidate.fits else "outside the search space")
-    lines = [f"{describe_layout(layout)}: {candidate.time.total:.3f} s per step, {place}",
+        ("does not fit" if not fits else "outside the search space")
+    lines = [f"{described}: {time.total:.3f} s per step, {place}",
              f"memory per rank by pipeline stage (GiB; {budget / GIB:.1f} usable), micro-batch of {micro_batch} "
              f"sequences:"]
     lines += stage_table(cfg, layout, seq_len, micro_batch, precision)
-    lines += ["step time:"] + time_terms(candidate.time)
+    lines += ["step time:"] + time_terms(time)
     lines += ["not modelled: " + "; ".join(LEFT_OUT)]
     return "\n".join(lines)

@@ -300,15 +300,17 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
              cluster: Cluster) -> int:
     """--explain: the fastest layout of the search with `settings` (or that layout evaluated as given)."""
     sequences = global_batch_sequences(tokens, seq_len)
-    rank, candidate = rank_of(plan, **settings)
-    if candidate is None:
-        candidate = evaluate(cfg, Layout.of(**settings), seq_len, sequences, cluster, BF16_MIXED)
+    rank, c = rank_of(plan, **settings)
+    if c is None:
+        layout = Layout.of(**settings)
+        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, BF16_MIXED))
     if args.json:
-        print(json.dumps({**candidate.row(), "rank": rank}))
+        print(json.dumps({**c.row(), "rank": rank}))
     else:
         print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
         print("")
-        print(format_explain(cfg, candidate, rank, len(plan.feasible), seq_len, sequences, BF16_MIXED, plan.budget))
+        print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
+                             seq_len, sequences, BF16_MIXED, plan.budget))
     return 0
 
 
