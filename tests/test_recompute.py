@@ -14,8 +14,13 @@ from tests.test_train import small_config
 MODEL = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 
 
-def test_recompute_matches_keeping_activations_in_the_trainer(tmp_path):
-    plain = train.train(small_config(tmp_path / "plain", steps=3, eval_every=0))
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict:
+    """The trainer keeping every activation: the run each recomputation is compared with."""
+    return train.train(small_config(tmp_path_factory.mktemp("plain"), steps=3, eval_every=0))
+
+
+def test_recompute_matches_keeping_activations_in_the_trainer(tmp_path, plain):
     recomputed = train.train(small_config(tmp_path / "recomputed", steps=3, eval_every=0, recompute="full"))
     assert recomputed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert recomputed["param_hash"] == plain["param_hash"]  # the same updates, bit for bit
@@ -95,10 +100,9 @@ def _layer_bytes_of_the_model(recompute: str, B: int, T: int) -> float:
     return activation_bytes(cfg, layout, T, B, FP32)[0]
 
 
-def test_selective_recompute_matches_keeping_activations_in_the_trainer(tmp_path):
+def test_selective_recompute_matches_keeping_activations_in_the_trainer(tmp_path, plain):
     """--recompute selective: the same losses and the same parameters, bit for bit (the element-wise operators run
     again on the same inputs), as keeping every activation."""
-    plain = train.train(small_config(tmp_path / "plain", steps=3, eval_every=0))
     selective = train.train(small_config(tmp_path / "selective", steps=3, eval_every=0, recompute="selective"))
     assert selective["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert selective["param_hash"] == plain["param_hash"]
@@ -134,3 +138,26 @@ def test_selective_recompute_with_context_parallel_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="--recompute selective with --cp > 1"):
         train.train(small_config(tmp_path / "cp", steps=1, recompute="selective", cp=2))
+
+
+def test_selective_recompute_of_moe_blocks_counts_each_routing_once():
+    """An MoE block under the selective policy replays its routing under `replaying` too: the same gradients bit
+    for bit and the same tokens per expert as keeping every activation (a second count would double them)."""
+    from minidist.model.moe.stats import moe_layers
+
+    cfg = get_preset("tiny", n_layers=2, **{**MODEL, "d_model": 32, "d_ff": 64},
+                     moe=dict(n_experts=4, top_k=2, d_expert=32, capacity_factor=1.0, bias_update_speed=0.01))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for selective in (False, True):
+        model = build_model(cfg)
+        if selective:
+            apply_recompute(model, "selective")
+        (lm_loss(model(tokens), tokens) + model.aux_loss()).backward()
+        runs.append((model, [m.tokens_per_expert.clone() for m in moe_layers(model)]))
+    (plain, plain_counts), (again, again_counts) = runs
+    for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    for a, b in zip(plain_counts, again_counts):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
