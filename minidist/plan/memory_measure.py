@@ -7,7 +7,9 @@ interpreter and torch itself, so the bytes are counted from the tensors:
   however many views of it there are) and the optimizer's state, after one optimizer step (so the moments exist)
   and a second forward and backward (so the gradients do);
 * activations: `memory.PeakSavedBytes` around the second step's forward and backward: the most bytes saved for the
-  backward alive at once, over all the micro-batches a schedule keeps in flight.
+  backward alive at once, over all the micro-batches a schedule keeps in flight. Not under `--recompute selective`:
+  the outputs its policy keeps live in the checkpoint's cache, which autograd's saved-tensor hooks never see
+  (tests/test_recompute.py measures them in one process with `memory.LiveTensorBytes` instead).
 
 `measure_layouts` is a rank function for `minidist.comm.launch.run_ranks`: every rank runs every case (a labelled
 `Layout`) and returns its own figures with its grid coordinates.
