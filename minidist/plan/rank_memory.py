@@ -244,8 +244,26 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int)
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
+def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Precision, memo: dict | None
+                 ) -> tuple[float, float, float, float]:
+    """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
+    every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
+    key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl, precision)
+    if memo is not None and key in memo:
+        return memo[key]
+    first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
+    moe_index = first_moe if first_moe < cfg.n_layers else 0
+    out = (layer_activation_bytes(cfg, 0, tokens, layout, p),
+           layer_activation_bytes(cfg, moe_index, tokens, layout, p),
+           selective_layer_bytes(cfg, 0, tokens, layout, p, r),
+           selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                     stage: int = 0) -> tuple[float, float]:
+                     stage: int = 0, memo: dict | None = None) -> tuple[float, float]:
     """(activations held at the worst moment of a step, the recomputed block's transient) for pipeline rank
     `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
     p = precision.activation
@@ -253,16 +271,14 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     tokens = micro_batch * seq_len // dims.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
     n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage)
-    first_moe = _first_moe_layer(cfg)
-    per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
-                for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
+    dense_b, moe_b, dense_s, moe_s = _block_bytes(cfg, layout, tokens, precision, memo)
+    per_kind = [(n, b) for n, b in ((n_dense, dense_b), (n_moe, moe_b)) if n]
     sp = layout.sp_degree
     if layout.recompute == "full":
         kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
         transient = max(b for _, b in per_kind)
     elif layout.recompute == "selective":
-        selective = [(n, b, selective_layer_bytes(cfg, i, tokens, layout, p, precision.residual))
-                     for (n, b), i in zip(per_kind, [i for n, i in ((n_dense, 0), (n_moe, first_moe)) if n])]
+        selective = [(n, b, s) for n, b, s in ((n_dense, dense_b, dense_s), (n_moe, moe_b, moe_s)) if n]
         kept = sum(n * s for n, _, s in selective)
         transient = max(max(b - s, 0.0) for _, b, s in selective)  # one block's rebuilt element-wise tensors
     else:
@@ -277,18 +293,24 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                    stage: int | None = None) -> MemoryEstimate:
+                    stage: int | None = None, memo: dict | None = None) -> MemoryEstimate:
     """Bytes per rank of pipeline stage `stage`; None: of the heaviest stage, named in `MemoryEstimate.stage`.
 
     Which stage that is depends on the layer mix and the micro-batches in flight: the first holds the embedding and
     the most micro-batches in flight, the last the head, but a middle stage of an MoE model whose first layers are
     dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
-    class of stages that could be the heaviest evaluated once."""
+    class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
+    model, one precision), to compute the pieces shared by many layouts once."""
     if stage is None:
-        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in stage_classes(
+        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stage_classes(
             cfg, layout)), key=lambda e: e.total)
-    states = model_state_bytes(cfg, layout, precision, stage)
-    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)
+    key = ("states", layout.dims, layout.options.zero, layout.options.virtual_stages, stage, precision)
+    states = memo.get(key) if memo is not None else None
+    if states is None:
+        states = model_state_bytes(cfg, layout, precision, stage)
+        if memo is not None:
+            memo[key] = states
+    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 

@@ -16,7 +16,8 @@ The rules that bound the search (each refused layout is counted with its reason)
 * dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;
-* ep divides dp·cp and the number of experts.
+* ep divides dp·cp and the number of experts;
+* a layout that fits with less recomputation is not listed again with more (never faster).
 """
 
 from __future__ import annotations
@@ -181,19 +182,28 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     budget = cluster.memory_bytes * cluster.usable_memory
     feasible, rejected = [], []
     per_token = token_flops(cfg, seq_len)
+    memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
+    fits_lighter: set[Layout] = set()  # layouts (as recompute="none") that fit with less recomputation
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
         dims, m = layout.dims, layout.options.microbatches
+        lighter = dataclasses.replace(layout, recompute="none")
+        if lighter in fits_lighter:
+            # none, selective, full come in that order: more recomputation of a layout that fits with less is
+            # never faster (the same communication or more, the same compute or more), so it is not evaluated
+            continue
         others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1))
         if dims.pp == 1 and fits_with.get(others, m) < m:
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
         micro_batch = sequences // (dims.dp * m)
-        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
+        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
         time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token)
         fits = memory.total <= budget
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
+        if fits:
+            fits_lighter.add(lighter)
         if fits and dims.pp == 1:
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
