@@ -229,7 +229,7 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
     mem = candidate.memory
     parts = ", ".join(f"{name} {getattr(mem, name) / GIB:.1f}" for name in
                       ("params", "grads", "optimizer", "activations", "recompute_transient") if getattr(mem, name))
-    return f"needs {mem.total / GIB:.1f} GiB > {budget / GIB:.1f} GiB usable ({parts} GiB)"
+    return f"needs {mem.total / GIB:.1f} GiB on stage {mem.stage} > {budget / GIB:.1f} GiB usable ({parts} GiB)"
 
 
 def describe_layout(lay: Layout) -> str:
@@ -251,18 +251,20 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              "master and AdamW moments",
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'m':>4} {'v':>2} "
-             f"{'recomp':>6} {'GiB':>7} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} {'ep':>6} "
-             f"{'pp':>6} {'dp':>6} {'hidden':>7}"]
+             f"{'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} "
+             f"{'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
         d, o, t = c.layout.dims, c.layout.options, c.time
         lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} "
-                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>6} {c.memory.total / GIB:>7.1f} "
+                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} {c.memory.total / GIB:>7.1f} "
+                     f"{c.memory.stage:>3} "
                      f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
                      f"{t.pp:>6.3f} {t.dp:>6.3f} {t.hidden:>7.3f}")
     if not plan.feasible:
         lines.append("  (none fits: more GPUs, a shorter sequence or a smaller batch per replica)")
-    lines.append("times in seconds per step; tp, cp, ep, pp, dp are exposed communication, hidden is the part that "
-                 "overlaps compute; step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
+    lines.append("GiB: per rank on the heaviest pipeline stage ('at'); times in seconds per step; tp, cp, ep, pp, dp "
+                 "are exposed communication, hidden is the part that overlaps compute; "
+                 "step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
     lines.append("not modelled: " + "; ".join(LEFT_OUT))
     faster, seen = [], set()
     for c in plan.rejected:  # the fastest of each grid shape: three different reasons, not one reason thrice
