@@ -92,7 +92,13 @@ def _first_moe_layer(cfg: ModelConfig) -> int:
 def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
     """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
     one whose per-block communication sets the pace."""
-    return max((stage_kinds(cfg, pp, virtual_stages, s) for s in range(pp)), key=lambda k: (sum(k), k[1]))
+    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages)
+
+
+@functools.lru_cache(maxsize=65536)
+def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int) -> tuple[int, int]:
+    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s) for s in range(pp))
+    return max(kinds, key=lambda k: (sum(k), k[1]))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -302,8 +308,15 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
     class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
     model, one precision), to compute the pieces shared by many layouts once."""
     if stage is None:
-        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stage_classes(
-            cfg, layout)), key=lambda e: e.total)
+        o = layout.options
+        key = ("classes", layout.dims.pp, o.schedule, o.microbatches, o.virtual_stages)
+        stages = memo.get(key) if memo is not None else None
+        if stages is None:
+            stages = stage_classes(cfg, layout)
+            if memo is not None:
+                memo[key] = stages
+        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
+                   key=lambda e: e.total)
     key = ("states", layout.dims, layout.options.zero, layout.options.virtual_stages, stage, precision)
     states = memo.get(key) if memo is not None else None
     if states is None:

@@ -184,16 +184,17 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     per_token = token_flops(cfg, seq_len)
     memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
-    fits_lighter: set[Layout] = set()  # layouts (as recompute="none") that fit with less recomputation
+    fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
         dims, m = layout.dims, layout.options.microbatches
-        lighter = dataclasses.replace(layout, recompute="none")
+        lighter = (layout.dims, layout.options)
         if lighter in fits_lighter:
             # none, selective, full come in that order: more recomputation of a layout that fits with less is
             # never faster (the same communication or more, the same compute or more), so it is not evaluated
             continue
-        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1))
-        if dims.pp == 1 and fits_with.get(others, m) < m:
+        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1)) \
+            if dims.pp == 1 else None
+        if others is not None and fits_with.get(others, m) < m:
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
