@@ -77,6 +77,24 @@ class Chip:
     inter: Link | None = None
     device_name: str | None = None
 
+    @property
+    def matmul_efficiency(self) -> float | None:
+        """The fraction of the dense bf16 peak a large matmul reaches on this chip (`MATMUL_EFFICIENCY`), or None."""
+        return MATMUL_EFFICIENCY.get(self.name)
+
+
+# The best bf16 matmul throughput found by a search over shapes, over the datasheet peak: Stas Bekman, "Machine
+# Learning Engineering" (github.com/stas00/ml-engineering, compute/accelerator/README.md, table "Maximum Achievable
+# Matmul FLOPS", measured with its mamf-finder.py): A100 SXM 267.9 of 312 TFLOP/s (CUDA 12.1), A100 PCIe 256.4 of 312,
+# H100 SXM 792.1 of 989 (CUDA 12.1), GH200 821.0 of 989 (CUDA 12.5). A GEMM benchmark, independent of any training
+# run the planner is checked against. The H800 has the H100 SXM's compute die (only NVLink is cut): its figure is
+# the H100 SXM's; the H200 SXM's is the GH200's (the same Hopper die and HBM3e). Chips without a published figure
+# get none (the planner then uses its stated default).
+MAMF_SOURCE = ("Bekman, Machine Learning Engineering, 'Maximum Achievable Matmul FLOPS' table "
+               "(github.com/stas00/ml-engineering, compute/accelerator)")
+MATMUL_EFFICIENCY: dict[str, float] = {"A100": 267.9 / 312, "H100-SXM": 792.1 / 989, "H800": 792.1 / 989,
+                                       "H200-SXM": 821.0 / 989}
+
 
 # Vendors print the sparse peak, twice the dense one. HBM is sized in binary units (an "80GB" H100 reports 81,559
 # MiB); the H200's 141 GB and the B200's 180 GB are quoted as decimal. PCIe and NVL cards are paired or bridged, not

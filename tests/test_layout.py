@@ -29,7 +29,7 @@ def test_derived_figures() -> None:
 
 @pytest.mark.parametrize("flat, words", [
     (dict(dp=2, sp=True), "unknown layout setting 'sp'; known: dp, tp, pp, cp, ep, sequence_parallel"),
-    (dict(recompute="selective"), "recompute must be one of none, full, got 'selective'"),
+    (dict(recompute="some"), "recompute must be one of none, selective, full, got 'some'"),
     (dict(dp=2, ep=4), "ep=4 does not divide dp*cp=2"),
 ])
 def test_bad_settings_are_one_line_errors(flat: dict, words: str) -> None:

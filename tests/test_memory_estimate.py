@@ -104,3 +104,19 @@ def test_dense_block_is_chapter_01s_count():
     for dtype_bytes in (2, 4):
         mine = layer_activation_bytes(CFG, 0, SEQ_LEN * 2, Layout(), dtype_bytes)
         assert mine == memory.activation_bytes_per_layer(CFG, SEQ_LEN, 2, dtype_bytes)["total"]
+
+
+@pytest.mark.parametrize("pp, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_interleaved_in_flight_is_megatrons_warm_up(pp, v):
+    """`chunks_in_flight` of the interleaved schedule with m a multiple of p is Megatron's warm-up plus one,
+    2(p − r − 1) + (v − 1)p + 1 (at most m·v), a formula: checked here on the built schedules."""
+    from minidist.parallel.pp.schedules import F, build_schedule
+
+    for m in (pp, 2 * pp, 3 * pp, 5 * pp):
+        for stage, actions in enumerate(build_schedule("interleaved", pp, m, v)):
+            live = peak = 0
+            for action in actions:
+                if action.kind in ("F", "B"):
+                    live += 1 if action.kind == F else -1
+                    peak = max(peak, live)
+            assert peak == chunks_in_flight("interleaved", pp, m, v, stage)

@@ -34,6 +34,8 @@ LAYOUTS = {
     # two chunks per rank implied, in a V; zbv needs m >= 2p (the validation batches follow the micro-batch size:
     # this layout's reference runs 4 micro-batches too)
     "pp2 tp2 zbv": dict(pp=2, tp=2, schedule="zbv", microbatches=4),
+    # selective recomputation replays the tp collectives between the matmuls in the backward, in the same order
+    "pp2 tp2 sp selective": dict(pp=2, tp=2, sp=True, recompute="selective"),
 }
 
 

@@ -5,7 +5,8 @@ A layout is three things, each said once:
 * `ParallelDims` (`minidist.comm.topology`): the degrees of the rank grid, dp, tp, pp, cp and ep;
 * `ParallelOptions`: how each dimension is applied (sequence parallel, the schedule and its micro-batches, the ZeRO
   stage, the context-parallel attention, ...): `parallelize`'s argument;
-* `recompute`: whether each block keeps only its input and recomputes the rest in the backward ("full") or not.
+* `recompute`: whether each block keeps only its input and recomputes the rest in the backward ("full"), keeps its
+  matmul and attention outputs and recomputes the element-wise rest ("selective"), or recomputes nothing.
 
 `Layout.of(dp=2, zero=1, sequence_parallel=True, recompute="full")` builds one from flat settings, the way a
 command line or a table of cases states them; `Layout.flat()` gives them back.
@@ -19,7 +20,7 @@ from typing import Any
 
 from minidist.comm.topology import ParallelDims
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Layout:
 
     dims: ParallelDims = field(default_factory=ParallelDims)
     options: ParallelOptions = field(default_factory=ParallelOptions)
-    recompute: str = "none"  # "none" or "full" (each block keeps its input and recomputes the rest)
+    recompute: str = "none"  # "none", "selective" (matmul outputs kept) or "full" (each block keeps its input)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:

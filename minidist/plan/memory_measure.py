@@ -7,7 +7,9 @@ interpreter and torch itself, so the bytes are counted from the tensors:
   however many views of it there are) and the optimizer's state, after one optimizer step (so the moments exist)
   and a second forward and backward (so the gradients do);
 * activations: `memory.PeakSavedBytes` around the second step's forward and backward: the most bytes saved for the
-  backward alive at once, over all the micro-batches a schedule keeps in flight.
+  backward alive at once, over all the micro-batches a schedule keeps in flight. Not under `--recompute selective`:
+  the outputs its policy keeps live in the checkpoint's cache, which autograd's saved-tensor hooks never see
+  (tests/test_recompute.py measures them in one process with `memory.LiveTensorBytes` instead).
 
 `measure_layouts` is a rank function for `minidist.comm.launch.run_ranks`: every rank runs every case (a labelled
 `Layout`) and returns its own figures with its grid coordinates.
@@ -49,8 +51,8 @@ def build_case(cfg: ModelConfig, layout: Layout, data: tuple[torch.Tensor, torch
     model's buffers)."""
     topo = Topology.from_env(layout.dims)
     model = build_model(cfg, seed=seed)
-    if layout.recompute == "full":
-        apply_recompute(model)
+    if layout.recompute != "none":
+        apply_recompute(model, layout.recompute)
     buffers = list(model.buffers())
     parallel = parallelize(model, cfg, topo, layout.options, lambda m: build_optimizer(m, lr=1e-3, weight_decay=0.1))
     batches = split_batch(*data, topo.coord("dp"), layout.dims.dp, layout.options.microbatches)

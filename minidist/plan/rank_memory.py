@@ -13,7 +13,8 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   s/cp tokens each (chapter 10), the attention and feed-forward tensors divided by tp, the norms too under
   sequence parallelism (whose column-parallel linears then save their gathered input); MoE and MLA layers tensor
   by tensor below; the head: the final norm, the log-softmax of the (vocab-split) logits. Under full recomputation
-  (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`. A
+  (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`; under
+  selective recomputation (`train.blocks.keep_matmuls`) its input and its matmul and attention outputs. A
   pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
   schedule itself (`schedules.build_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09).
 
@@ -65,6 +66,7 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     recompute_transient: float = 0.0  # the block recomputed in the backward (full recompute), on top of the rest
+    stage: int = 0  # the pipeline rank these bytes are for (the heaviest, when the estimate is for a layout)
 
     @property
     def total(self) -> float:
@@ -91,7 +93,13 @@ def _first_moe_layer(cfg: ModelConfig) -> int:
 def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
     """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
     one whose per-block communication sets the pace."""
-    return max((stage_kinds(cfg, pp, virtual_stages, s) for s in range(pp)), key=lambda k: (sum(k), k[1]))
+    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages)
+
+
+@functools.lru_cache(maxsize=65536)
+def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int) -> tuple[int, int]:
+    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s) for s in range(pp))
+    return max(kinds, key=lambda k: (sum(k), k[1]))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -151,6 +159,11 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         return microbatches * virtual_stages
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
+    if microbatches % pp == 0:
+        # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)p forwards, then one more before the first backward
+        # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
+        # search asks this for millions of micro-batches, which are not worth building
+        return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
     live = peak = 0
     actions = build_any_schedule(schedule, pp, microbatches, virtual_stages)[stage]
     release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until its W
@@ -204,6 +217,35 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
     return norms + attention + mlp
 
 
+def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int, residual: int) -> float:
+    """Bytes one block keeps under selective recomputation (`train.blocks.keep_matmuls`): its input (the
+    checkpoint's, sequence-split under SP) and the output of every matmul and of the attention kernel; norms, RoPE,
+    SiLU, products, adds and collectives are recomputed. A row-parallel linear's output is whole ([n, d]) on every
+    tp rank before its reduction; MoE experts see n·k rows on average (balanced routing)."""
+    tp, d, n = layout.dims.tp, cfg.d_model, tokens
+    kept = residual * n * d / layout.sp_degree
+    if cfg.attention == "mla":
+        m, h = cfg.mla, cfg.n_heads // tp
+        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        q_path = (m.q_lora_rank + h * d_qk) if m.q_lora_rank else h * d_qk
+        # q's projections, the latent (+ its rope part), wkv_b's keys and values, wo; the kernel's output and lse
+        attention = p * n * (q_path + m.kv_lora_rank + m.qk_rope_head_dim + h * (m.qk_nope_head_dim + d_v) + d)
+        attention += p * n * h * d_v + 4 * n * h
+    else:
+        kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
+        q = cfg.n_heads // tp * cfg.head_dim
+        attention = p * n * (2 * q + 2 * kv + d) + 4 * n * cfg.n_heads // tp  # q, k, v, wo; kernel's output, lse
+    if _is_moe_layer(cfg, layer):
+        moe = cfg.moe
+        d_expert = moe.d_expert or cfg.d_ff
+        slots = n * moe.top_k
+        mlp = p * n * moe.n_experts + p * slots * (2 * d_expert + d)  # router logits; w1, w3 and w2 per row
+        mlp += moe.n_shared_experts * p * n * (2 * d_expert + d)
+    else:
+        mlp = p * n * (2 * cfg.d_ff // tp + d)  # w1, w3 (column-parallel) and w2 (whole before the reduction)
+    return kept + attention + mlp
+
+
 def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
     sp = layout.sp_degree
@@ -211,8 +253,26 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int)
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
+def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Precision, memo: dict | None
+                 ) -> tuple[float, float, float, float]:
+    """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
+    every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
+    key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl, precision)
+    if memo is not None and key in memo:
+        return memo[key]
+    first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
+    moe_index = first_moe if first_moe < cfg.n_layers else 0
+    out = (layer_activation_bytes(cfg, 0, tokens, layout, p),
+           layer_activation_bytes(cfg, moe_index, tokens, layout, p),
+           selective_layer_bytes(cfg, 0, tokens, layout, p, r),
+           selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                     stage: int = 0) -> tuple[float, float]:
+                     stage: int = 0, memo: dict | None = None) -> tuple[float, float]:
     """(activations held at the worst moment of a step, the recomputed block's transient) for pipeline rank
     `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
     p = precision.activation
@@ -220,13 +280,16 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     tokens = micro_batch * seq_len // dims.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
     n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage)
-    first_moe = _first_moe_layer(cfg)
-    per_kind = [(n, layer_activation_bytes(cfg, i, tokens, layout, p))
-                for n, i in ((n_dense, 0), (n_moe, first_moe)) if n]
+    dense_b, moe_b, dense_s, moe_s = _block_bytes(cfg, layout, tokens, precision, memo)
+    per_kind = [(n, b) for n, b in ((n_dense, dense_b), (n_moe, moe_b)) if n]
     sp = layout.sp_degree
     if layout.recompute == "full":
         kept = (n_dense + n_moe) * precision.residual * tokens * cfg.d_model / sp  # each block's input
         transient = max(b for _, b in per_kind)
+    elif layout.recompute == "selective":
+        selective = [(n, b, s) for n, b, s in ((n_dense, dense_b, dense_s), (n_moe, moe_b, moe_s)) if n]
+        kept = sum(n * s for n, _, s in selective)
+        transient = max(max(b - s, 0.0) for _, b, s in selective)  # one block's rebuilt element-wise tensors
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
     last = stage == (0 if options.schedule in V_SCHEDULES else dims.pp - 1)  # the rank that holds the head
@@ -239,13 +302,43 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                    stage: int | None = None) -> MemoryEstimate:
-    """Bytes per rank of pipeline stage `stage` (None: the stage with the largest total, the first or the last:
-    the first holds the most layers (`chunk_layers` gives earlier chunks the extra ones), the embedding and the
-    most micro-batches in flight; the last holds the head)."""
+                    stage: int | None = None, memo: dict | None = None) -> MemoryEstimate:
+    """Bytes per rank of pipeline stage `stage`; None: of the heaviest stage, named in `MemoryEstimate.stage`.
+
+    Which stage that is depends on the layer mix and the micro-batches in flight: the first holds the embedding and
+    the most micro-batches in flight, the last the head, but a middle stage of an MoE model whose first layers are
+    dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
+    class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
+    model, one precision), to compute the pieces shared by many layouts once."""
     if stage is None:
-        stages = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in {0, layout.dims.pp - 1}]
-        return max(stages, key=lambda e: e.total)
-    states = model_state_bytes(cfg, layout, precision, stage)
-    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage)
-    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient)
+        o = layout.options
+        key = ("classes", layout.dims.pp, o.schedule, o.microbatches, o.virtual_stages)
+        stages = memo.get(key) if memo is not None else None
+        if stages is None:
+            stages = stage_classes(cfg, layout)
+            if memo is not None:
+                memo[key] = stages
+        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
+                   key=lambda e: e.total)
+    key = ("states", layout.dims, layout.options.zero, layout.options.virtual_stages, stage, precision)
+    states = memo.get(key) if memo is not None else None
+    if states is None:
+        states = model_state_bytes(cfg, layout, precision, stage)
+        if memo is not None:
+            memo[key] = states
+    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
+    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
+
+
+def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:
+    """The pipeline ranks that could be the heaviest: of the stages with the same blocks (dense and MoE) and the
+    same role (first, last, neither), the one with the most chunks in flight (more in flight, more activations,
+    the same model states)."""
+    dims, o = layout.dims, layout.options
+    most: dict[tuple, tuple[int, int]] = {}  # class -> (chunks in flight, stage)
+    for s in range(dims.pp):
+        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s), s == 0, s == dims.pp - 1)
+        flight = chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s)
+        if key not in most or flight > most[key][0]:
+            most[key] = (flight, s)
+    return [s for _, s in most.values()]

@@ -10,17 +10,21 @@ The rules that bound the search (each refused layout is counted with its reason)
 * tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
   whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
-  per rank; pp ≤ layers, the interleaved schedule needs layers divisible by pp·v and micro-batches ≥ pp;
+  per rank; pp ≤ layers, the interleaved schedule needs micro-batches ≥ pp and pp·v ≤ layers + 2 (uneven chunks:
+  the embedding and the head take a layer's slot, as in Llama 3; the trainer itself interleaves equal chunks only);
+  recomputation none, selective (not with cp > 1) or full;
 * dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;
-* ep divides dp·cp and the number of experts.
+* ep divides dp·cp and the number of experts;
+* a layout that fits with less recomputation is not listed again with more (never faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -32,28 +36,39 @@ from dataclasses import dataclass, field
 
 from minidist.comm.topology import ParallelDims
 from minidist.flops import count_params
-from minidist.hardware import GIB, node_chips
+from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
+from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
 from minidist.plan.rank_memory import BF16_MIXED, MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import DEFAULT_EFFICIENCY, Cluster, StepTime, cluster_for_chip, predict_step, token_flops
+from minidist.plan.step_time import (
+    DEFAULT_EFFICIENCY,
+    Cluster,
+    StepTime,
+    cluster_for_chip,
+    efficiency_source,
+    predict_step,
+    token_flops,
+)
 from minidist.train.config import OneLineParser
 
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
 MIN_CP_TOKENS = 1024
-JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "virtual_stages", "recompute", "mem_gib", "step_s")
+JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "virtual_stages", "recompute", "mem_gib", "step_s",
+             "fits", "heaviest_stage")
 
 
 @dataclass
 class Candidate:
     layout: Layout
-    memory: MemoryEstimate
+    memory: MemoryEstimate  # of the heaviest pipeline stage (`memory.stage`)
     time: StepTime
+    fits: bool = True
 
     def row(self) -> dict:
         values = {**self.layout.flat(), "mem_gib": round(self.memory.total / GIB, 2),
-                  "step_s": round(self.time.total, 4)}
+                  "step_s": round(self.time.total, 4), "fits": self.fits, "heaviest_stage": self.memory.stage}
         return {key: values[key] for key in JSON_KEYS}
 
 
@@ -89,8 +104,24 @@ def global_batch_sequences(tokens: int, seq_len: int) -> int:
     return tokens // seq_len
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, ascending, by trial division up to √n (10^12 in about 0.1 s; O(n) hung on large inputs)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return tuple(small + large[::-1])
+
+
+def most_gpus(cfg: ModelConfig, seq_len: int, sequences: int, gpus_per_node: int) -> int:
+    """The most GPUs any layout of the search can use: every sequence its own replica, tp a node, cp down to
+    `MIN_CP_TOKENS` per rank, a stage per layer."""
+    return sequences * min(gpus_per_node, cfg.n_heads) * max(seq_len // MIN_CP_TOKENS, 1) * cfg.n_layers
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, cluster: Cluster,
@@ -123,9 +154,13 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             micro = [m for m in _divisors(per_replica) if m >= pp or m == per_replica]
             if len(micro) < len(_divisors(per_replica)):
                 refused[f"pp={pp}: fewer micro-batches than stages (bubble over half the step)"] += 1
-            for ep, zero, m, recompute in itertools.product(eps, range(4), micro, ("none", "full")):
+            recomputes = ("none", "full") if cp > 1 else ("none", "selective", "full")  # as the trainer runs them
+            for ep, zero, m, recompute in itertools.product(eps, range(4), micro, recomputes):
                 dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-                virtual = [1] + [v for v in (2, 4, 8) if pp > 1 and m >= pp and cfg.n_layers % (pp * v) == 0]
+                # Uneven chunks, as Llama 3 makes them (its first and last stage one layer fewer: the embedding and
+                # the head take a layer's slot), so up to two chunks hold no block (`chunk_layers` leaves the last
+                # ones short). The trainer runs interleaving only with equal chunks (pp·v dividing the layers).
+                virtual = [1] + [v for v in (2, 4, 8) if pp > 1 and m >= pp and pp * v <= cfg.n_layers + 2]
                 for v in virtual:
                     options = ParallelOptions(sequence_parallel=tp > 1, schedule="interleaved" if v > 1 else "1f1b",
                                               microbatches=m, virtual_stages=v, zero=zero)
@@ -138,23 +173,38 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     sequences = global_batch_sequences(global_tokens, seq_len)
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    most = most_gpus(cfg, seq_len, sequences, cluster.gpus_per_node)
+    if gpus > most:
+        raise ValueError(f"--gpus {gpus:,} is more than any layout can use for {sequences:,} sequences of {seq_len} "
+                         f"tokens ({most:,}: dp up to the sequences, tp a node, cp to {MIN_CP_TOKENS} tokens per "
+                         "rank, pp a layer per stage); use fewer GPUs or a larger --global-batch-tokens")
     refused: Counter = Counter()
     budget = cluster.memory_bytes * cluster.usable_memory
     feasible, rejected = [], []
     per_token = token_flops(cfg, seq_len)
+    memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
+    fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
         dims, m = layout.dims, layout.options.microbatches
-        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1))
-        if dims.pp == 1 and fits_with.get(others, m) < m:
+        lighter = (layout.dims, layout.options)
+        if lighter in fits_lighter:
+            # none, selective, full come in that order: more recomputation of a layout that fits with less is
+            # never faster (the same communication or more, the same compute or more), so it is not evaluated
+            continue
+        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1)) \
+            if dims.pp == 1 else None
+        if others is not None and fits_with.get(others, m) < m:
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
         micro_batch = sequences // (dims.dp * m)
-        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
+        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
         time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token)
         fits = memory.total <= budget
-        (feasible if fits else rejected).append(Candidate(layout, memory, time))
+        (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
+        if fits:
+            fits_lighter.add(lighter)
         if fits and dims.pp == 1:
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
@@ -180,14 +230,14 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
     mem = candidate.memory
     parts = ", ".join(f"{name} {getattr(mem, name) / GIB:.1f}" for name in
                       ("params", "grads", "optimizer", "activations", "recompute_transient") if getattr(mem, name))
-    return f"needs {mem.total / GIB:.1f} GiB > {budget / GIB:.1f} GiB usable ({parts} GiB)"
+    return f"needs {mem.total / GIB:.1f} GiB on stage {mem.stage} > {budget / GIB:.1f} GiB usable ({parts} GiB)"
 
 
 def describe_layout(lay: Layout) -> str:
     d, o = lay.dims, lay.options
     text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} zero {o.zero} m {o.microbatches}"
     return text + (f" v {o.virtual_stages}" if o.virtual_stages > 1 else "") + \
-        (" recompute" if lay.recompute == "full" else "")
+        (f" recompute {lay.recompute}" if lay.recompute != "none" else "")
 
 
 def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int,
@@ -196,23 +246,27 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
     lines = [f"{cfg_name}: {count_params(cfg) / 1e9:.1f}B parameters on {gpus} x {cluster.name} "
              f"({cluster.gpus_per_node} per node, {cluster.memory_bytes / GIB:.0f} GiB, "
              f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
-             f"compute at {cluster.efficiency:.0%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak; links: "
+             f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
+             f"({efficiency_source(cluster)}); links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
              "master and AdamW moments",
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'m':>4} {'v':>2} "
-             f"{'recomp':>6} {'GiB':>7} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} {'ep':>6} "
-             f"{'pp':>6} {'dp':>6} {'hidden':>7}"]
+             f"{'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} "
+             f"{'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
         d, o, t = c.layout.dims, c.layout.options, c.time
         lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} "
-                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>6} {c.memory.total / GIB:>7.1f} "
+                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} {c.memory.total / GIB:>7.1f} "
+                     f"{c.memory.stage:>3} "
                      f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
                      f"{t.pp:>6.3f} {t.dp:>6.3f} {t.hidden:>7.3f}")
     if not plan.feasible:
         lines.append("  (none fits: more GPUs, a shorter sequence or a smaller batch per replica)")
-    lines.append("times in seconds per step; tp, cp, ep, pp, dp are exposed communication, hidden is the part that "
-                 "overlaps compute; step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
+    lines.append("GiB: per rank on the heaviest pipeline stage ('at'); times in seconds per step; tp, cp, ep, pp, dp "
+                 "are exposed communication, hidden is the part that overlaps compute; "
+                 "step = (compute + tp + cp + ep + pp) / (1 - bubble) + dp")
+    lines.append("not modelled: " + "; ".join(LEFT_OUT))
     faster, seen = [], set()
     for c in plan.rejected:  # the fastest of each grid shape: three different reasons, not one reason thrice
         shape = c.layout.dims
@@ -243,11 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-tokens", default="4M", metavar="B",
                         help="tokens per optimizer step, e.g. 4M (default: 4M = 4,194,304)")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="layouts to list (default: 10)")
-    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                        help=f"fraction of the bf16 peak the matmuls reach (default: {DEFAULT_EFFICIENCY})")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="fraction of the bf16 peak the matmuls reach (default: the chip's published best matmul "
+                             f"throughput, {MAMF_SOURCE}; {DEFAULT_EFFICIENCY} for a chip without one)")
     parser.add_argument("--json", action="store_true", help=f"print a JSON list of the top K, keys: "
-                        f"{', '.join(JSON_KEYS)}")
+                        f"{', '.join(JSON_KEYS)} (with --explain: one object, the same keys and 'rank')")
+    parser.add_argument("--explain", metavar="SETTINGS", default=None,
+                        help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
+                             "rest as the search would choose them): memory per pipeline stage, step time by term, "
+                             "its rank")
     return parser
+
+
+def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namespace, seq_len: int, tokens: int,
+             cluster: Cluster) -> int:
+    """--explain: the fastest layout of the search with `settings` (or that layout evaluated as given)."""
+    sequences = global_batch_sequences(tokens, seq_len)
+    rank, c = rank_of(plan, **settings)
+    if c is None:
+        layout = Layout.of(**settings)
+        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, BF16_MIXED))
+    if args.json:
+        print(json.dumps({**c.row(), "rank": rank}))
+    else:
+        print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
+        print("")
+        print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
+                             seq_len, sequences, BF16_MIXED, plan.budget))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -259,13 +336,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("gpus", "gpus_per_node", "top"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if not 0 < args.efficiency <= 1:
+        if args.efficiency is not None and not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         seq_len = args.seq_len or cfg.max_seq_len
         tokens = parse_tokens(args.global_batch_tokens)
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
+        settings = parse_settings(args.explain) if args.explain is not None else None
         plan = search(cfg, args.gpus, seq_len, tokens, cluster)
-    except ValueError as e:
+        if settings is not None:
+            return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -2,8 +2,10 @@
 dimension, the pipeline bubble, and which communication hides behind compute.
 
 * Compute: the model FLOPs of a step (`flops.mfu_flops_per_token`: 6·N_active + causal attention; full
-  recomputation adds one more forward of the blocks) split evenly over the ranks, at `Cluster.efficiency` of the
-  chip's dense peak. MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by tp.
+  recomputation adds one more forward of the blocks; selective adds no matmul) split over the ranks, the blocks' at
+  the pace of the pipeline stage with the most of them, at `Cluster.efficiency` of the chip's dense peak (by default
+  the chip's published best matmul throughput, `hardware.MATMUL_EFFICIENCY`). MoE layers run whole on every tp
+  rank (as in the trainer), so their FLOPs are not divided by tp.
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
   its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
   tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
@@ -23,7 +25,7 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
-Left out: the stages' imbalance (uneven layers, the head on the last stage), kernels' efficiency by shape, the
+Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, the
 network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
 """
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
-from minidist.hardware import Link, chip, collective_time, link_of, node_chips, peak_flops
+from minidist.hardware import MAMF_SOURCE, Link, chip, collective_time, link_of, node_chips, peak_flops
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
@@ -56,12 +58,23 @@ class Cluster:
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
 
 
-def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float = DEFAULT_EFFICIENCY) -> Cluster:
-    """A cluster of chip `name` (one of `hardware.node_chips()`), its usual links, one network port per GPU."""
+def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None = DEFAULT_EFFICIENCY) -> Cluster:
+    """A cluster of chip `name` (one of `hardware.node_chips()`), its usual links, one network port per GPU;
+    efficiency None: the chip's published matmul efficiency (`hardware.MATMUL_EFFICIENCY`), else the default."""
     if name not in node_chips():
         raise ValueError(f"no link and memory figures for chip {name!r}; choose one of {node_chips()}")
     record = chip(name)
+    if efficiency is None:
+        efficiency = record.matmul_efficiency or DEFAULT_EFFICIENCY
     return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency)
+
+
+def efficiency_source(cluster: Cluster) -> str:
+    """Where the cluster's compute efficiency comes from, in words."""
+    published = chip(cluster.name).matmul_efficiency if cluster.name in node_chips() else None
+    if published is not None and cluster.efficiency == published:
+        return f"the best bf16 matmul measured on {cluster.name} ({MAMF_SOURCE})"
+    return "given" if cluster.efficiency != DEFAULT_EFFICIENCY else "the default (no published matmul figure)"
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,10 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
         moe *= 4 / 3
         attention *= 4 / 3
     dims = layout.dims
+    # the pipeline runs at the pace of the stage with the most blocks (126 layers over 16 stages: 8, not 7.875)
+    imbalance = sum(busiest_stage_kinds(cfg, dims.pp, layout.options.virtual_stages)) * dims.pp / cfg.n_layers
+    blocks = total - f.head
+    total, moe, attention = f.head + blocks * imbalance, moe * imbalance, attention * imbalance
     split = (total - moe) / dims.tp + moe
     tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
     return split * tokens, attention / dims.tp * tokens
@@ -128,7 +145,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, v)
     n_layers = dense_layers + moe_layers
-    again = 1 if layout.recompute == "full" else 0
+    # full recomputation runs each block's forward again; selective replays its element-wise operators and the
+    # collectives between them (tp's reductions, cp's ring, ep's all-to-alls), not its matmuls
+    again = 0 if layout.recompute == "none" else 1
 
     act = tokens * cfg.d_model * p
     tp = 0.0

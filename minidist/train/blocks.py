@@ -6,7 +6,16 @@ Both wrap each block rather than replace it, so parameter names, the layout tran
 * `apply_recompute`: activation checkpointing of every block (Chen et al. 2016, "Training Deep Nets with Sublinear
   Memory Cost"): the forward keeps only each block's input, the backward runs the block again to rebuild what it
   needs. Activation memory falls from every block's saved tensors to one [B, T, d] input per block, for one more
-  forward per step (Korthikanti et al. 2022, §4: "full recomputation").
+  forward per step (Korthikanti et al. 2022, §4: "full recomputation"). `mode="selective"` checkpoints each block
+  with a per-operator policy instead (`keep_matmuls`): the outputs of the matrix products and of the fused attention
+  kernel are kept, every other operator (the norms, RoPE, SiLU and the gate's product, the residual adds, the
+  copies and the collectives between them) runs again in the backward. Why this one, and not Korthikanti et al.'s
+  selective recomputation (their §5: recompute the softmax and dropout of attention): with fused SDPA and no
+  dropout there is no s × s tensor to drop, so theirs saves nothing here. What this block saves beyond its matmul
+  outputs is the element-wise work: each RMSNorm's fp32 input, its normalized tensor and its output, RoPE's rotated
+  q and k, SDPA's contiguous output, SwiGLU's SiLU output and product; cheap to recompute (no matmul FLOPs), a
+  little over half the block's saved bytes (`plan.rank_memory.layer_activation_bytes`). torchtitan's op-level
+  selective activation checkpointing uses the same mechanism (`create_selective_checkpoint_contexts`).
 * `compile_blocks`: `torch.compile` of every transformer block. Each block is compiled in place (`nn.Module.compile`:
   the module, its name and its parameters stay; its call goes through the compiled code), not the whole model: the
   blocks are where the time goes, they are identical in structure so one graph serves them all, and the layout
@@ -27,11 +36,12 @@ import importlib.util
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from minidist.model.moe.layer import replaying
 from minidist.model.moe.stats import moe_layers
 
+RECOMPUTE_MODES = ("full", "selective")
 
 class _Replaying:
     """`replaying(block)` as a context that can be entered again: when the backward's graph is kept and walked twice
@@ -49,9 +59,42 @@ class _Replaying:
         return self.entered.pop().__exit__(*exc)
 
 
-def _recompute_contexts(block: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
-    """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing."""
-    return contextlib.nullcontext(), _Replaying(block)
+# The operators whose outputs selective recomputation keeps: the matrix products (a linear on a [B, T, d] input is
+# an `mm` below autograd; grouped experts use `bmm`; FP8 linears `_scaled_mm`) and the fused attention kernels
+# (their output and log-sum-exp).
+_KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective policy: keep what costs FLOPs to recompute (matmuls, attention), recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Both(contextlib.ExitStack):
+    """Two context managers entered together (a selective replay of an MoE block: the policy's and `replaying`)."""
+
+    def __init__(self, *contexts: contextlib.AbstractContextManager) -> None:
+        super().__init__()
+        self._contexts = contexts
+
+    def __enter__(self) -> _Both:
+        super().__enter__()
+        for context in self._contexts:
+            self.enter_context(context)
+        return self
+
+
+def _recompute_contexts(block: nn.Module, selective: bool) -> tuple[contextlib.AbstractContextManager, ...]:
+    """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing; under
+    selective recomputation both also carry the policy's caches."""
+    if not selective:
+        return contextlib.nullcontext(), _Replaying(block)
+    forward, replay = create_selective_checkpoint_contexts(keep_matmuls)
+    return (forward, _Both(replay, _Replaying(block))) if moe_layers(block) else (forward, replay)
 
 
 def _recomputed_forward(forward, *args, **kwargs):
@@ -59,14 +102,20 @@ def _recomputed_forward(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_recompute(model: nn.Module) -> nn.Module:
-    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped).
+def apply_recompute(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped):
+    all of it (`mode="full"`) or all but its matmuls and attention (`"selective"`, the `keep_matmuls` policy).
 
-    A block with MoE layers replays its forward under `replaying` (each routing counted once). Only those take the
-    context_fn: inductor accepts none but selective-checkpoint ones in a traced region, and an MoE layer's Python
-    attributes (`aux_loss`, `last_stats`) make dynamo run its block's checkpoint eagerly anyway."""
+    A block with MoE layers replays its forward under `replaying` (each routing counted once). Under full
+    recomputation only those take a context_fn: inductor accepts none but selective-checkpoint ones in a traced
+    region, and an MoE layer's Python attributes (`aux_loss`, `last_stats`) make dynamo run its block's checkpoint
+    eagerly anyway."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    selective = mode == "selective"
     for block in model.blocks:
-        contexts = {"context_fn": functools.partial(_recompute_contexts, block)} if moe_layers(block) else {}
+        contexts = {"context_fn": functools.partial(_recompute_contexts, block, selective)} \
+            if selective or moe_layers(block) else {}
         block.forward = functools.partial(_recomputed_forward, block.forward, **contexts)
     return model
 

@@ -74,7 +74,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
     fp8: str = "none"  # FP8 GEMMs of the blocks' linears: none, tensorwise, rowwise, blockwise (model/fp8_linear.py)
     fp8_block: int = 128  # the blockwise recipe's tile/block size (1 x B activations, B x B weights)
-    recompute: str = "none"  # activation recomputation: none, or full (each block)
+    recompute: str = "none"  # activation recomputation: none, selective (keep matmul outputs) or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
     compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
     device: str = "auto"
@@ -134,8 +134,9 @@ FLAGS: list[tuple[str, str]] = [
               "experts): tensorwise, rowwise, or blockwise (1xB/BxB, DeepSeek-V3); the embedding, head, norms, router "
               "and routed MoE experts stay in --dtype precision, weights and optimizer state in fp32"),
     ("--fp8-block", "B of --fp8 blockwise; with --tp > 1 every linear's shard must be whole blocks"),
-    ("--recompute", "activation recomputation: none, or full (keep each block's input, recompute the block "
-                    "in the backward)"),
+    ("--recompute", "activation recomputation: none; selective (keep each block's matmul and attention outputs, "
+                    "recompute its norms, RoPE, SiLU and adds in the backward); or full (keep each block's input, "
+                    "recompute the block in the backward)"),
     ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
@@ -429,6 +430,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.loss_chunk and cfg.zero == 3:
         raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
                           "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
+    if cfg.recompute == "selective" and cfg.cp > 1:
+        raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
+                          "keys, and the policy would keep every block's output; use --recompute full or --cp 1")
 
 
 def _check_data(cfg: TrainConfig) -> None:

@@ -87,8 +87,8 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
-    if layout.recompute == "full":
-        apply_recompute(model)
+    if layout.recompute != "none":
+        apply_recompute(model, layout.recompute)
     if resolve_compile(cfg.compile, device):
         compile_blocks(model)  # lazily, at the first forward
     precision.configure_matmuls(device)
