@@ -64,6 +64,7 @@ def _rank_runs(root: str) -> dict:
     runs = {name: _counted_run(f"{root}/tp2_{name}", tp=2, fp8=name, **extra) for name, extra in RECIPES.items()}
     runs["tp2 sp rowwise"] = _counted_run(f"{root}/tp2_sp_rowwise", tp=2, sp=True, fp8="rowwise")
     runs["dp2 rowwise"] = _counted_run(f"{root}/dp2_rowwise", dp=2, fp8="rowwise")
+    runs["cp2 rowwise"] = _counted_run(f"{root}/cp2_rowwise", cp=2, fp8="rowwise")
     return runs
 
 
@@ -135,21 +136,25 @@ def test_tp_logs_the_one_process_fp8_run(recipe, single, tp_results):
     assert tp_results[1][recipe]["losses"] == got
 
 
-def test_sp_and_dp_under_fp8(single, tp_results):
+def test_sp_dp_and_cp_under_fp8(single, tp_results):
     """Sequence parallel all-gathers a column-parallel linear's input before its GEMM and reduce-scatters a
     row-parallel one's output after it: the GEMMs and their scales are tp's, so the same tolerance as tp. Data
     parallelism splits the tokens, and with them the weight gradient's scaling groups (its contraction is over the
     tokens) and every tensorwise amax: a different quantization, within the FP8 tolerance of the one-process FP8
-    run, but not within fp32's."""
+    run, but not within fp32's. Context parallelism splits each sequence's tokens over the ranks: the same for the
+    weight gradient's scales, and its attention sums in another order; within the FP8 tolerance too."""
     want, fp32 = single["rowwise"]["losses"], single["none"]["losses"]
     sp = tp_results[0]["tp2 sp rowwise"]["losses"]
     assert trainer_parity.close(sp[:1], want[:1], [1]) and all(abs(g - w) <= 1e-4 * w for g, w in zip(sp, want))
     dp = tp_results[0]["dp2 rowwise"]["losses"]
     assert trainer_parity.close(dp[:1], want[:1], [1])  # the first forward: per-row scales do not span tokens
     assert all(abs(g - w) < fp8_loss_tolerance(w) for g, w in zip(dp, want)), (dp, want, fp32)
+    cp = tp_results[0]["cp2 rowwise"]["losses"]
+    assert cp != fp32 and all(abs(g - w) < fp8_loss_tolerance(w) for g, w in zip(cp, want)), (cp, want, fp32)
     for r in tp_results:
         assert r["tp2 sp rowwise"]["gemms"] == STEPS * expected_gemms("rowwise", 128, 2)
         assert r["dp2 rowwise"]["gemms"] == STEPS * expected_gemms("rowwise", 128, 1)
+        assert r["cp2 rowwise"]["gemms"] == r["dp2 rowwise"]["gemms"]  # half the tokens, all the linears
 
 
 @pytest.mark.parametrize("changes, words", [
