@@ -134,9 +134,8 @@ FLAGS: list[tuple[str, str]] = [
               "experts): tensorwise, rowwise, or blockwise (1xB/BxB, DeepSeek-V3); the embedding, head, norms, router "
               "and routed MoE experts stay in --dtype precision, weights and optimizer state in fp32"),
     ("--fp8-block", "B of --fp8 blockwise; with --tp > 1 every linear's shard must be whole blocks"),
-    ("--recompute", "activation recomputation: none; selective (keep each block's matmul and attention outputs, "
-                    "recompute its norms, RoPE, SiLU and adds in the backward); or full (keep each block's input, "
-                    "recompute the block in the backward)"),
+    ("--recompute", "activation recomputation: none; selective (keep the blocks' matmul and attention outputs, "
+                    "recompute norms, RoPE, SiLU, adds); full (keep each block's input, recompute the block)"),
     ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
