@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import trainer_parity
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_fp8 import CountScaledMM
 
 from minidist.comm.launch import run_ranks
 from minidist.train import loop as train
@@ -30,16 +30,6 @@ def config(out: str, **changes) -> TrainConfig:
                     eval_every=0, log_every=1, ckpt_every=0, check_every=0, out=out, seed=0, peak_flops=1e12,
                     plot=False)
     return TrainConfig(**{**settings, **changes})
-
-
-class CountScaledMM(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._scaled_mm.default
-        return func(*args, **(kwargs or {}))
 
 
 def expected_gemms(recipe: str, block: int, tp: int) -> int:

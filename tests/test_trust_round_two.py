@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpoint import small_config
-from test_trust import Payload, cli  # noqa: F401 - cli is a fixture
+from test_trust import (  # noqa: F401 - cli is a fixture
+    Payload,
+    base_run,  # noqa: F401  (the fixture: 4 steps, checkpoints after steps 2 and 4)
+    cli,
+)
 
 from minidist.comm import communicator
 from minidist.comm.launch import run_ranks
@@ -40,21 +44,8 @@ from minidist.train.plots import plot_losses
 from minidist.trust import health
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory) -> Path:
-    """4 steps with checkpoints after steps 2 and 4."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("base2") / "run"
-        train.train(small_config(out, steps=4, ckpt_every=2))
-        return out
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture
-def run(base_run, tmp_path, one_thread) -> Path:
+def run(base_run, tmp_path, one_thread) -> Path:  # noqa: F811  (base_run: test_trust's fixture)
     out = tmp_path / "run"
     shutil.copytree(base_run, out, symlinks=True)
     return out
