@@ -231,7 +231,7 @@ CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
     + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
     # chapter 15: zb1 needs m >= p, zbv m >= 2p
-    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True)],
+    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True), Case("dualpipev", 2, 4)],
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
@@ -239,7 +239,7 @@ CASES = {
        Case("afab", 2, 2, dp=2, data="zero1")]
     + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)]
     + [Case("zb1", 4, 4), Case("zbv", 4, 8, layers=8), Case("zbv", 2, 4, dp=2, data="ddp"),
-       Case("zb1", 2, 2, tp=2, sp=True)],
+       Case("zb1", 2, 2, tp=2, sp=True), Case("dualpipev", 4, 8, layers=8)],
 }
 
 

@@ -238,7 +238,7 @@ def _one_rank_grads(schedule: str, m: int) -> tuple[float, dict[str, torch.Tenso
 
 def test_one_rank_zero_bubble_runs_match_the_reference_and_1f1b_bit_for_bit() -> None:
     reference = parity.reference_run()
-    for schedule, fused, m in (("zb1", "1f1b", 4), ("zbv", "interleaved", 2)):
+    for schedule, fused, m in (("zb1", "1f1b", 4), ("zbv", "interleaved", 2), ("dualpipev", "interleaved", 2)):
         loss, grads = _one_rank_grads(schedule, m)
         parity.assert_losses_match([loss], reference["losses"][:1], schedule)
         parity.assert_grads_match(grads, reference["grads"], schedule)
@@ -249,6 +249,7 @@ def test_one_rank_zero_bubble_runs_match_the_reference_and_1f1b_bit_for_bit() ->
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(pp=2, microbatches=3, schedule="zbv"), "zbv needs microbatches >= 2\\*pp"),
+    (dict(pp=2, microbatches=3, schedule="dualpipev"), "dualpipev needs microbatches >= 2\\*pp"),
     (dict(pp=4, microbatches=2, schedule="zb1"), "zb1 needs microbatches >= pp"),
     (dict(pp=2, microbatches=4, schedule="zb1", virtual_stages=2), "zb1 runs one chunk"),
     (dict(pp=2, microbatches=4, schedule="zbv", virtual_stages=3), "zbv places exactly two chunks"),
