@@ -143,7 +143,7 @@ def _error(world: int, **changes) -> str:
     (1, dict(virtual_stages=2), "needs --pp > 1"),
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
     (2, dict(pp=2, schedule="zbv", microbatches=2), "zbv needs microbatches >= 2*pp"),
-    (2, dict(pp=2, schedule="dualpipev", microbatches=3), "dualpipev needs microbatches >= 2*pp"),
+    (2, dict(pp=2, schedule="dualpipev", microbatches=2), "dualpipev needs microbatches >= 2*pp"),
     (2, dict(pp=2, schedule="dualpipev", virtual_stages=3, microbatches=4), "dualpipev places exactly two chunks"),
     (2, dict(pp=2, schedule="zb1", virtual_stages=2), "zb1 runs one chunk per rank"),
     (2, dict(pp=2, schedule="zb2"), "unknown pipeline schedule 'zb2'"),
