@@ -141,7 +141,8 @@ def test_dualpipev_is_complete_and_its_bubble_is_zbvs_at_equal_costs_and_no_more
             actions = build_any_schedule("dualpipev", p, m)
             check_complete(actions, p, m, 2, v_shape=True)
             assert chunk_owners(actions) == {c: min(c, 2 * p - 1 - c) for c in range(2 * p)}
-            assert max(_in_flight(order) for order in actions) <= 2 * p + 1, (p, m)  # 1F1B's p stages and one chunk
+            # 2p + 1 chunk activations on every rank: ZB-V's 2p, and the forward of an (F, B) pair runs first
+            assert [_in_flight(order) for order in actions] == [2 * p + 1] * p, (p, m)
             equal = simulate(actions, 0.5, 0.5, weight=0.5)
             assert equal.makespan == pytest.approx(zb_makespan("dualpipev", p, m, 1, 1, 1), rel=1e-12)
             assert equal.makespan == pytest.approx(zb_makespan("zbv", p, m, 1, 1, 1), rel=1e-12)
