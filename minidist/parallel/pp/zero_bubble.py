@@ -33,7 +33,8 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
   m(T_F+T_B+T_W) + (p−1)·T/2 at equal costs, as ZB-V's, and its excess over the work does not depend on m; over
   the grid tested it is no longer than ZB-V's whenever T_B < T_F or T_B <= T_W, and can be longer where B
   dominates (1:2:1 from p = 3 on: its full backwards keep B and W together where ZB-V holds W's back).
-  No closed form for other ratios is derived here: simulate it.
+  No closed form for other ratios is derived here: simulate it. Each rank holds at most 2p+1 chunk activations
+  (ZB-V's 2p, and one more: in a pair the forward runs before the backward frees its micro-batch).
 
 `zb_makespan` / `zb_bubble_formula` (in schedules.py, with chapter 09's formulas, where the planner reads them) give
 these; `build_any_schedule` builds every schedule of chapters 09 and 15.
