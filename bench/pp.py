@@ -1,19 +1,21 @@
 """Pipeline-parallel step time: minidist's executor against `torch.distributed.pipelining`, same model, same stages.
 
     .venv/bin/python bench/pp.py [--pp 2] [--microbatches 4] [--d-model 128] [--layers 4] [--batch 16] [--seq 64]
-                                 [--steps 15] [--warmup 3] [--schedules afab,1f1b,interleaved,zbv]
+                                 [--steps 15] [--warmup 3] [--schedules afab,1f1b,interleaved,zbv,dualpipev]
 
 On `--pp` gloo CPU ranks both sides cut one built minidist Transformer (same weights) into the same chunks: rank r
-holds chunk r (and r+p with 2 virtual stages, interleaved; r and 2p−1−r under zbv's V). minidist runs
-`PipelineRunner`; torch runs a `PipelineStage` per chunk under ScheduleGPipe / Schedule1F1B /
-ScheduleInterleaved1F1B / ScheduleZBVZeroBubble with `lm_loss` as its loss, on the same micro-batches (zbv needs
---microbatches >= 2·pp). The first step's gradients must agree (per parameter name) before anything is timed. A
+holds chunk r (and r+p with 2 virtual stages, interleaved; r and 2p−1−r under the V of zbv and dualpipev).
+minidist runs `PipelineRunner`; torch runs a `PipelineStage` per chunk under ScheduleGPipe / Schedule1F1B /
+ScheduleInterleaved1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV with `lm_loss` as its loss, on the same
+micro-batches (zbv and dualpipev need --microbatches >= 2·pp). On one CPU core per rank DualPipeV's F/B overlap
+cannot show: torch runs its overlapped sub-actions one after another, as minidist runs its (F, B) pairs.
+The first step's gradients must agree (per parameter name) before anything is timed. A
 step is forward + backward of all micro-batches (no optimizer: it would be the same on both sides and only dilute
 the difference). The implementations alternate step by step after a barrier, so a change in machine load hits
 both alike; a step's time is the slowest rank's. Last line: JSON with `ratio` = the geometric mean over the
 schedules of minidist median / torch median, each schedule's ratio in `ratios`, and the largest in `ratio_max`;
 per schedule also `paired_ratio_<schedule>`, the median of the per-step ratios of the alternating pairs (e.g.
-`paired_ratio_zbv`, chapter 15).
+`paired_ratio_zbv` and `paired_ratio_dualpipev`, chapter 15).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from minidist.model import Transformer, build_model, get_preset, lm_loss
 from minidist.parallel.pp.pipeline import PipelineRunner, partition_model
 
 TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zbv": "ScheduleZBVZeroBubble"}  # zbv: two chunks per rank in a V (chapter 15)
+                   "zbv": "ScheduleZBVZeroBubble",  # zbv, dualpipev: two chunks per rank in a V (chapter 15)
+                   "dualpipev": "ScheduleDualPipeV"}
 
 
 class TorchChunk(nn.Module):
@@ -56,7 +59,7 @@ def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, ta
     from torch.distributed import pipelining
 
     pp, rank = topo.size("pp"), topo.coord("pp")
-    v = 2 if schedule in ("interleaved", "zbv") else 1
+    v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
     stage = partition_model(build_model(cfg, seed=0), rank, pp, v if schedule == "interleaved" else 1,
                             schedule=schedule)
     runner = PipelineRunner(stage, topo.comm("pp"), schedule, m)
@@ -72,7 +75,7 @@ def _setups(schedule: str, topo: Topology, cfg, m: int, inputs: torch.Tensor, ta
         runner.step(batches, loss_scale=1.0 / targets.numel())  # Σ token losses / tokens: no target is ignored
 
     def theirs() -> None:
-        args = (inputs,) if 0 in stage.chunks else ()  # under zbv rank 0 holds the first and the last chunk
+        args = (inputs,) if 0 in stage.chunks else ()  # under the V rank 0 holds the first and the last chunk
         kwargs = {"target": targets, "losses": []} if pp * v - 1 in stage.chunks else {}
         torch_schedule.step(*args, **kwargs)
 

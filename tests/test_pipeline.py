@@ -231,7 +231,7 @@ CASES = {
     2: [Case(s, 2, m) for s in ("afab", "1f1b") for m in (2, 4, 1)]
     + [Case("interleaved", 2, 2, 2), Case("interleaved", 2, 4, 2), Case("interleaved", 2, 3, 2, batch=12)]
     # chapter 15: zb1 needs m >= p, zbv m >= 2p
-    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True)],
+    + [Case("zb1", 2, 2), Case("zb1", 2, 4), Case("zbv", 2, 4), Case("zbv", 2, 4, tied=True), Case("dualpipev", 2, 4)],
     4: [Case(s, 4, m) for s in ("afab", "1f1b") for m in (4, 8, 2)]
     + [Case("interleaved", 4, 4, 2, layers=8), Case("interleaved", 4, 8, 2, layers=8),
        Case("interleaved", 4, 6, 2, layers=8, batch=12)]
@@ -239,7 +239,7 @@ CASES = {
        Case("afab", 2, 2, dp=2, data="zero1")]
     + [Case("1f1b", 2, 2, tp=2), Case("interleaved", 2, 2, 2, tp=2, sp=True)]
     + [Case("zb1", 4, 4), Case("zbv", 4, 8, layers=8), Case("zbv", 2, 4, dp=2, data="ddp"),
-       Case("zb1", 2, 2, tp=2, sp=True)],
+       Case("zb1", 2, 2, tp=2, sp=True), Case("dualpipev", 4, 8, layers=8)],
 }
 
 
@@ -390,20 +390,21 @@ def test_1f1b_holds_fewer_activations_than_afab(world: int) -> None:
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_zero_bubble_schedules_hold_activations_until_w(world: int) -> None:
     # Measured with saved-tensor hooks: a micro-batch's tensors live from its F to its W. ZB-H1 holds p micro-batches
-    # on every rank (1F1B: p − r), ZB-V 2p chunk passes; per micro-batch a rank saves what it saves under 1F1B.
+    # on every rank (1F1B: p − r), ZB-V 2p chunk passes, DualPipeV 2p + 1; per micro-batch a rank saves what it
+    # saves under 1F1B.
     runs = {(c.schedule, c.pp, c.m): res for c, res in zip(CASES[world], _results(world))
             if c.dp == c.tp == 1 and not c.tied}
     checked = 0
     for (schedule, p, m), results in runs.items():
-        if schedule not in ("zb1", "zbv"):
+        if schedule not in ("zb1", "zbv", "dualpipev"):
             continue
-        want = p if schedule == "zb1" else 2 * p
+        want = {"zb1": p, "zbv": 2 * p, "dualpipev": 2 * p + 1}[schedule]  # dualpipev: F before B in each pair
         assert [r["peak_in_flight"] for r in results] == [want] * p, (schedule, p, m)
         if schedule == "zb1":
             for r, (zb, fused) in enumerate(zip(results, runs[("1f1b", p, m)])):
                 assert zb["peak_bytes"] * (p - r) == fused["peak_bytes"] * p, (p, m, r)
         checked += 1
-    assert checked == {2: 3, 4: 2}[world]
+    assert checked == {2: 4, 4: 3}[world]
 
 
 def test_moe_balancing_losses_flow_through_every_stage() -> None:

@@ -34,6 +34,7 @@ LAYOUTS = {
     # two chunks per rank implied, in a V; zbv needs m >= 2p (the validation batches follow the micro-batch size:
     # this layout's reference runs 4 micro-batches too)
     "pp2 tp2 zbv": dict(pp=2, tp=2, schedule="zbv", microbatches=4),
+    "pp2 dp2 dualpipev": dict(pp=2, dp=2, schedule="dualpipev", microbatches=4),  # the same V, DualPipeV's order
     # selective recomputation replays the tp collectives between the matmuls in the backward, in the same order
     "pp2 tp2 sp selective": dict(pp=2, tp=2, sp=True, recompute="selective"),
 }
@@ -142,6 +143,8 @@ def _error(world: int, **changes) -> str:
     (1, dict(virtual_stages=2), "needs --pp > 1"),
     (4, dict(pp=4, microbatches=1, schedule="interleaved", virtual_stages=1), "microbatches >= pp"),
     (2, dict(pp=2, schedule="zbv", microbatches=2), "zbv needs microbatches >= 2*pp"),
+    (2, dict(pp=2, schedule="dualpipev", microbatches=2), "dualpipev needs microbatches >= 2*pp"),
+    (2, dict(pp=2, schedule="dualpipev", virtual_stages=3, microbatches=4), "dualpipev places exactly two chunks"),
     (2, dict(pp=2, schedule="zb1", virtual_stages=2), "zb1 runs one chunk per rank"),
     (2, dict(pp=2, schedule="zb2"), "unknown pipeline schedule 'zb2'"),
 ])

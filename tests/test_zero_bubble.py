@@ -135,6 +135,29 @@ def _in_flight(order: list[Action]) -> int:
     return peak
 
 
+def test_dualpipev_is_complete_and_its_bubble_is_zbvs_at_equal_costs_and_no_more_unless_t_b_dominates() -> None:
+    for p in range(1, 7):
+        for m in range(2 * p, 3 * p + 2):
+            actions = build_any_schedule("dualpipev", p, m)
+            check_complete(actions, p, m, 2, v_shape=True)
+            assert chunk_owners(actions) == {c: min(c, 2 * p - 1 - c) for c in range(2 * p)}
+            # 2p + 1 chunk activations on every rank: ZB-V's 2p, and the forward of an (F, B) pair runs first
+            assert [_in_flight(order) for order in actions] == [2 * p + 1] * p, (p, m)
+            equal = simulate(actions, 0.5, 0.5, weight=0.5)
+            assert equal.makespan == pytest.approx(zb_makespan("dualpipev", p, m, 1, 1, 1), rel=1e-12)
+            assert equal.makespan == pytest.approx(zb_makespan("zbv", p, m, 1, 1, 1), rel=1e-12)
+            assert equal.bubble_fraction() == pytest.approx(zb_bubble_formula("dualpipev", p, m), abs=1e-12)
+            for t_f, t_b, t_w in itertools.product((1, 2, 3), repeat=3):  # the measured relation to ZB-V
+                extra = simulate(actions, t_f / 2, t_b / 2, weight=t_w / 2).makespan - m * (t_f + t_b + t_w)
+                zbv = zb_makespan("zbv", p, m, t_f, t_b, t_w) - m * (t_f + t_b + t_w)
+                if t_b < t_f or t_b <= t_w:
+                    assert extra <= zbv + 1e-9, (p, m, (t_f, t_b, t_w))
+                elif (t_f, t_b, t_w) == (1, 2, 1) and p >= 3:  # where B dominates, ZB-V's held W's win
+                    assert extra > zbv, (p, m)
+    with pytest.raises(ValueError, match="closed form only"):
+        zb_makespan("dualpipev", 2, 4, 1, 2, 1)
+
+
 def test_every_zero_bubble_schedule_is_complete_and_matches_its_makespan_formula() -> None:
     for schedule, p, m in GRID:
         v = 2 if schedule == "zbv" else 1
@@ -179,20 +202,22 @@ def test_w_before_its_b_is_caught() -> None:
 # NCCL's order: the executor's program for every new schedule, step and evaluation
 # ---------------------------------------------------------------------------------------------------------------
 
-P2P_GRID = [(s, p, m) for p in (2, 4, 8) for s in ("zb1", "zbv") for m in range(p if s == "zb1" else 2 * p, 3 * p + 1)]
+P2P_GRID = [(s, p, m) for p in (2, 4, 8) for s in ("zb1", "zbv", "dualpipev")
+            for m in range(p if s == "zb1" else 2 * p, 3 * p + 1)]
 
 
 def test_every_zero_bubble_schedule_posts_in_an_order_nccl_runs() -> None:
     for schedule, p, m in P2P_GRID:
         step = build_any_schedule(schedule, p, m)
-        for actions in (step, forward_only(p, m, 2 if schedule == "zbv" else 1, schedule == "zbv")):
+        v_shape = schedule in ("zbv", "dualpipev")
+        for actions in (step, forward_only(p, m, 2 if v_shape else 1, v_shape)):
             owners = chunk_owners(actions)
             outcome = replay(posting_order(actions, lambda message: (2, 8)))
             assert outcome.ok, (schedule, p, m, outcome)
             between = sum(a.kind in (SEND_F, SEND_B) and peer_of(a, p, owners) != r
                           for r, order in enumerate(actions) for a in order)
             assert outcome.pairs == between, (schedule, p, m)
-            if schedule == "zbv":  # the bottom of the V hands over locally: two messages fewer per micro-batch
+            if v_shape:  # the bottom of the V hands over locally: two messages fewer per micro-batch
                 assert between == sum(a.kind in (SEND_F, SEND_B) for o in actions for a in o) - (
                     2 * m if actions is step else m)
 
@@ -214,7 +239,7 @@ def _one_rank_grads(schedule: str, m: int) -> tuple[float, dict[str, torch.Tenso
 
 def test_one_rank_zero_bubble_runs_match_the_reference_and_1f1b_bit_for_bit() -> None:
     reference = parity.reference_run()
-    for schedule, fused, m in (("zb1", "1f1b", 4), ("zbv", "interleaved", 2)):
+    for schedule, fused, m in (("zb1", "1f1b", 4), ("zbv", "interleaved", 2), ("dualpipev", "interleaved", 2)):
         loss, grads = _one_rank_grads(schedule, m)
         parity.assert_losses_match([loss], reference["losses"][:1], schedule)
         parity.assert_grads_match(grads, reference["grads"], schedule)
@@ -225,6 +250,7 @@ def test_one_rank_zero_bubble_runs_match_the_reference_and_1f1b_bit_for_bit() ->
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(pp=2, microbatches=3, schedule="zbv"), "zbv needs microbatches >= 2\\*pp"),
+    (dict(pp=2, microbatches=3, schedule="dualpipev"), "dualpipev needs microbatches >= 2\\*pp"),
     (dict(pp=4, microbatches=2, schedule="zb1"), "zb1 needs microbatches >= pp"),
     (dict(pp=2, microbatches=4, schedule="zb1", virtual_stages=2), "zb1 runs one chunk"),
     (dict(pp=2, microbatches=4, schedule="zbv", virtual_stages=3), "zbv places exactly two chunks"),

@@ -151,8 +151,8 @@ FLAGS: list[tuple[str, str]] = [
     ("--ep", "expert-parallel degree (carved out of dp*cp)"),
     ("--zero", "ZeRO stage: 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     ("--schedule", "pipeline schedule with --pp > 1: afab (all forwards, all backwards), 1f1b, interleaved; "
-                   "zb1, zbv (zero bubble: the backward split into B and W; zbv places two chunks per rank in a V)"),
-    ("--virtual-stages", "model chunks per pipeline rank (the interleaved schedule; zbv implies 2)"),
+                   "zb1, zbv, dualpipev (zero bubble: backward split in B and W; the last two: 2 chunks/rank, a V)"),
+    ("--virtual-stages", "model chunks per pipeline rank (the interleaved schedule; zbv and dualpipev imply 2)"),
     ("--eval-every", "validation loss every N steps and at the end (0: only at the end)"),
     ("--eval-batches", "validation micro-batches per evaluation (fixed, the same every time)"),
     ("--log-every", "progress line every N steps"),

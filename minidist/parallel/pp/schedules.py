@@ -42,9 +42,9 @@ F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, W)
 SCHEDULES = ("afab", "1f1b", "interleaved")  # chapter 09: B is the whole backward
-ZB_SCHEDULES = ("zb1", "zbv")  # chapter 15 (minidist.parallel.pp.zero_bubble): B and W split
+ZB_SCHEDULES = ("zb1", "zbv", "dualpipev")  # chapter 15 (minidist.parallel.pp.zero_bubble): B and W split
 ALL_SCHEDULES = SCHEDULES + ZB_SCHEDULES
-V_SCHEDULES = ("zbv",)  # two chunks per rank in a V: rank r holds chunks r and 2p−1−r
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V: rank r holds chunks r and 2p−1−r
 
 
 class Action(NamedTuple):
@@ -237,6 +237,10 @@ def zb_makespan(schedule: str, pp: int, microbatches: int, t_f: float, t_b: floa
         return work + (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
     if schedule == "zbv":
         return work + (pp - 1) * max(t_b / 2, t_w / 2, t_f - t_b / 2, t_f - t_w, t_b - t_w)
+    if schedule == "dualpipev" and t_f == t_b == t_w:  # other ratios: the simulator (no closed form derived)
+        return work + (pp - 1) * t_f / 2
+    if schedule == "dualpipev":
+        raise ValueError("dualpipev's step time has a closed form only at T_F = T_B = T_W; simulate() it otherwise")
     raise ValueError(f"no zero-bubble formula for schedule {schedule!r}; choose one of ('1f1b',) + {ZB_SCHEDULES}")
 
 

@@ -27,6 +27,15 @@ T_F, T_B, T_W the cost of F, B, W of one micro-batch on one rank (all its chunks
   counts it zero. Holding the W's back raises no peak: at most 2p chunk activations per rank, the bytes of 1F1B's
   p full stages (keeping each W right after its B instead gives (p−1)·T).
 
+- **DualPipeV** (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.2.1, Fig. 5; the V form of DualPipe, as
+  torch's ScheduleDualPipeV): the same V placement, steady state in (F, B) pairs of opposite chunks whose compute
+  and communication overlap on a GPU. With no overlap to gain (this simulator, one CPU core per rank) its step is
+  m(T_F+T_B+T_W) + (p−1)·T/2 at equal costs, as ZB-V's, and its excess over the work does not depend on m; over
+  the grid tested it is no longer than ZB-V's whenever T_B < T_F or T_B <= T_W, and can be longer where B
+  dominates (1:2:1 from p = 3 on: its full backwards keep B and W together where ZB-V holds W's back).
+  No closed form for other ratios is derived here: simulate it. Each rank holds at most 2p+1 chunk activations
+  (ZB-V's 2p, and one more: in a pair the forward runs before the backward frees its micro-batch).
+
 `zb_makespan` / `zb_bubble_formula` (in schedules.py, with chapter 09's formulas, where the planner reads them) give
 these; `build_any_schedule` builds every schedule of chapters 09 and 15.
 """
@@ -49,7 +58,8 @@ from minidist.parallel.pp.schedules import (
 )
 
 # The formulas live beside chapter 09's in schedules.py (the planner reads them there) and are offered here too.
-__all__ = ["zb1_order", "zbv_order", "check_any_schedule_args", "chunks_per_rank", "build_any_schedule",
+__all__ = ["zb1_order", "zbv_order", "dualpipev_order", "check_any_schedule_args", "chunks_per_rank",
+           "build_any_schedule",
            "zb_makespan", "zb_bubble_formula"]
 
 
@@ -119,6 +129,59 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
     return _hold_back_ws(order, 2 * r)
 
 
+def dualpipev_order(pp: int, microbatches: int) -> list[list[Action]]:
+    """DualPipeV: DeepSeek-V3's DualPipe folded into a V (chunks r and 2p−1−r on rank r, as ZB-V), in the action
+    order of torch.distributed.pipelining's ScheduleDualPipeV. Its steady state pairs a forward of one chunk with a
+    backward of the other (F down + B up, F up + B down); on a GPU each pair overlaps one's compute with the other's
+    communication, here the two run one after another (as torch's overlapped sub-actions do on CPU). A full
+    backward is B with its W right after; in the drain, from the middle of rank r's last r+1 pairs of B's on, W is
+    held back and paid one per B down, the rest last."""
+    return [_dualpipev_rank(pp, microbatches, r) for r in range(pp)]
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+    down, up = r, 2 * p - 1 - r
+    count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
+    order: list[Action] = []
+    owed: list[Action] = []
+
+    def run(kind: str, chunk: int, hold_w: bool = False) -> None:
+        mb = count[(kind, chunk)]
+        count[(kind, chunk)] += 1
+        order.append(Action(kind, mb, chunk))
+        if kind == B:
+            (owed if hold_w else order).append(Action(W, mb, chunk))
+
+    for _ in range(2 * (p - r - 1)):  # the first leg fills the V below this rank
+        run(F, down)
+    for _ in range(r + 1):
+        run(F, down)
+        run(F, up)
+    for _ in range(p - r - 1):  # the bottom of the V turns: gradients start coming up
+        run(B, up)
+        run(F, up)
+    for _ in range(m - 2 * p + r + 1):  # steady state: two (F, B) pairs of opposite chunks
+        run(F, down)
+        run(B, up)
+        run(F, up)
+        run(B, down)
+    for _ in range(p - r - 1):
+        run(B, up)
+        run(F, up)
+        run(B, down)
+    hold = False
+    for i in range(r + 1):  # the drain: from the middle on, W's are held back to fill the waits
+        hold = hold or (i == (r + 1) // 2 and r % 2 == 1)
+        run(B, up, hold)
+        hold = hold or (i == (r + 1) // 2 and r % 2 == 0)
+        run(B, down, hold)
+    for _ in range(p - r - 1):
+        if owed:
+            order.append(owed.pop(0))
+        run(B, down, True)
+    return order + owed
+
+
 def _hold_back_ws(order: list[Action], hold: int) -> list[Action]:
     """The same order, but after the last forward each B's W waits until more than `hold` are owed; the owed W's
     close the step."""
@@ -141,12 +204,12 @@ def check_any_schedule_args(schedule: str, pp: int, microbatches: int, virtual_s
         check_schedule_args(schedule, pp, microbatches, virtual_stages)
         return
     check_schedule_args("1f1b", pp, microbatches, 1)  # positive integers
-    if schedule == "zbv":
+    if schedule in V_SCHEDULES:
         if virtual_stages not in (1, 2):
-            raise ValueError(f"zbv places exactly two chunks per rank itself; drop --virtual-stages "
+            raise ValueError(f"{schedule} places exactly two chunks per rank itself; drop --virtual-stages "
                              f"{virtual_stages} (or use --schedule interleaved)")
         if microbatches < 2 * pp:
-            raise ValueError(f"zbv needs microbatches >= 2*pp, got microbatches={microbatches} < {2 * pp}; "
+            raise ValueError(f"{schedule} needs microbatches >= 2*pp, got microbatches={microbatches} < {2 * pp}; "
                              f"use microbatches >= {2 * pp}, or schedule 'zb1'")
         return
     if virtual_stages != 1:
@@ -167,6 +230,7 @@ def build_any_schedule(schedule: str, pp: int, microbatches: int, virtual_stages
     check_any_schedule_args(schedule, pp, microbatches, virtual_stages)
     if schedule == "zb1":
         return with_communication(zb1_order(pp, microbatches), pp)
-    if schedule == "zbv":
-        return with_communication(zbv_order(pp, microbatches), pp, 2)
+    if schedule in V_SCHEDULES:
+        order = zbv_order if schedule == "zbv" else dualpipev_order
+        return with_communication(order(pp, microbatches), pp, 2)
     return build_schedule(schedule, pp, microbatches, virtual_stages)
