@@ -313,3 +313,19 @@ def test_moe_under_the_split_counts_each_routing_once() -> None:
         assert got_aux == aux, schedule
         assert all(torch.equal(a, b) for a, b in zip(got_sums, sums)), f"{schedule}: routing counted again"
         assert all(torch.equal(got_grads[n], grads[n]) for n in grads), schedule
+
+
+def test_a_w_right_after_its_b_is_run_in_the_same_backward():
+    """DualPipeV's full backwards (B, then its own W with nothing between) run as one backward in the runner
+    (`fused_backwards`): every such pair is found, and no pair with other compute between them. The gradients are
+    the split's, bit for bit (the parity tests above run dualpipev and zbv through this path)."""
+    from minidist.parallel.pp.zero_bubble import build_any_schedule, fused_backwards
+
+    for name in ("zb1", "zbv", "dualpipev"):
+        for order in build_any_schedule(name, 4, 8):
+            compute = [a for a in order if a.kind in ("F", "B", "W")]
+            want = {(b.mb, b.chunk) for b, w in zip(compute, compute[1:])
+                    if (b.kind, w.kind) == ("B", "W") and (b.mb, b.chunk) == (w.mb, w.chunk)}
+            assert fused_backwards(order) == want
+    assert fused_backwards(build_any_schedule("dualpipev", 4, 8)[0])  # its full backwards
+    assert not fused_backwards(build_any_schedule("1f1b", 4, 8)[0])  # no W at all

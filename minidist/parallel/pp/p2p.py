@@ -193,3 +193,11 @@ class InFlight:
 
     def take(self, message: Message) -> torch.Tensor:
         return self.received.pop(message)
+
+
+def due_by_action(program: list[Planned], n_actions: int) -> list[list[Post | Wait]]:
+    """The program's items by the index of the action they come before (n_actions: after the last)."""
+    due: list[list[Post | Wait]] = [[] for _ in range(n_actions + 1)]
+    for planned in program:
+        due[planned.at].append(planned.item)
+    return due

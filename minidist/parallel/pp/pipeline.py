@@ -38,7 +38,7 @@ from minidist.model.config import ModelConfig
 from minidist.model.transformer import Transformer, lm_loss
 from minidist.parallel.placement import placement_of
 from minidist.parallel.pp.nccl_model import Post, Wait
-from minidist.parallel.pp.p2p import InFlight, Message, Planned, message_of, p2p_program
+from minidist.parallel.pp.p2p import InFlight, Message, Planned, due_by_action, message_of, p2p_program
 from minidist.parallel.pp.schedules import (
     RECV_B,
     RECV_F,
@@ -54,7 +54,12 @@ from minidist.parallel.pp.schedules import (
     rank_chunks,
 )
 from minidist.parallel.pp.split_backward import backward_input, backward_weight
-from minidist.parallel.pp.zero_bubble import build_any_schedule, check_any_schedule_args, chunks_per_rank
+from minidist.parallel.pp.zero_bubble import (
+    build_any_schedule,
+    check_any_schedule_args,
+    chunks_per_rank,
+    fused_backwards,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
 sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
@@ -220,6 +225,7 @@ class _StepState:
     in_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradients of chunk inputs, to send back
     held: dict[Key, int] = field(default_factory=dict)  # saved-for-backward bytes per forward not yet backwarded
     weight_work: dict[Key, object] = field(default_factory=dict)  # what each B leaves for its W (split_backward)
+    fused: set[Key] = field(default_factory=set)  # B and W back to back: one backward (zero_bubble)
     mailbox: dict[Message, torch.Tensor] = field(default_factory=dict)  # messages between chunks of this rank
     live: int = 0  # the sum of `held`
 
@@ -248,14 +254,6 @@ class _StepState:
         self.live += nbytes
         self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self.live)
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.held))
-
-
-def _due_by_action(program: list[Planned], n_actions: int) -> list[list[Post | Wait]]:
-    """The program's items by the index of the action they come before (n_actions: after the last)."""
-    due: list[list[Post | Wait]] = [[] for _ in range(n_actions + 1)]
-    for planned in program:
-        due[planned.at].append(planned.item)
-    return due
 
 
 def residual_dtype(stage: nn.Module) -> torch.dtype:
@@ -351,8 +349,9 @@ class PipelineRunner:
                        last_backward=next((a for a in reversed(actions) if a.kind == W), None)
                        or next((a for a in reversed(actions) if a.kind == B), None),
                        loss_sum=torch.zeros((), dtype=torch.float32, device=device),
-                       aux_sum=torch.zeros((), dtype=torch.float32, device=device))
-        due = _due_by_action(program, len(actions))
+                       aux_sum=torch.zeros((), dtype=torch.float32, device=device),
+                       fused=fused_backwards(actions) if self.split else set())
+        due = due_by_action(program, len(actions))
         for index, a in enumerate(actions):
             handler = self._HANDLERS.get(a.kind)
             if handler is None:
@@ -409,10 +408,11 @@ class PipelineRunner:
             tensors.append(s.aux.pop(key) / len(s.batches))
             grads.append(None)
         inputs = [s.inputs.pop(key)] if a.chunk > 0 else []
-        if self.split:
+        if self.split and key not in s.fused:
             dinputs, s.weight_work[key] = backward_input(tensors, grads, inputs)
-        else:
-            with s.no_sync() if s.no_sync is not None and a != s.last_backward else contextlib.nullcontext():
+        else:  # the last backward (its B, or its W when fused here) starts the gradient sync
+            last = s.last_backward is not None and key == (s.last_backward.mb, s.last_backward.chunk)
+            with s.no_sync() if s.no_sync is not None and not last else contextlib.nullcontext():
                 torch.autograd.backward(tensors, grads)
             dinputs = [x.grad for x in inputs]
             s.release(key)
@@ -422,6 +422,8 @@ class PipelineRunner:
     def _backward_weight(self, s: _StepState, a: Action) -> None:
         """W: the weights' gradients from what B recorded; the micro-batch's saved tensors go with it."""
         key = (a.mb, a.chunk)
+        if key in s.fused:
+            return  # its B ran the whole backward
         quiet = s.no_sync or contextlib.nullcontext  # the last W reduces once all of its backward calls have run
         with quiet() if a != s.last_backward else contextlib.nullcontext():
             backward_weight(s.weight_work.pop(key), quiet)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from minidist.parallel.pp.schedules import (
     ALL_SCHEDULES,
+    COMPUTE,
     V_SCHEDULES,
     ZB_SCHEDULES,
     Action,
@@ -234,3 +235,12 @@ def build_any_schedule(schedule: str, pp: int, microbatches: int, virtual_stages
         order = zbv_order if schedule == "zbv" else dualpipev_order
         return with_communication(order(pp, microbatches), pp, 2)
     return build_schedule(schedule, pp, microbatches, virtual_stages)
+
+
+def fused_backwards(actions: list[Action]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) whose W is the very next compute action after its B on this rank (DualPipeV's full
+    backwards, a drained ZB-V's tail): nothing runs between them, so one backward does both, without recording the
+    gradients at the weight branches for a second walk (the same gradients, bit for bit: `split_backward`)."""
+    compute = [a for a in actions if a.kind in COMPUTE]
+    return {(b.mb, b.chunk) for b, w in zip(compute, compute[1:])
+            if b.kind == B and w.kind == W and (w.mb, w.chunk) == (b.mb, b.chunk)}
