@@ -120,3 +120,17 @@ def test_interleaved_in_flight_is_megatrons_warm_up(pp, v):
                     live += 1 if action.kind == F else -1
                     peak = max(peak, live)
             assert peak == chunks_in_flight("interleaved", pp, m, v, stage)
+
+
+def test_zero_bubble_in_flight_counts_come_from_their_schedules():
+    """The zero-bubble schedules keep a micro-batch's activations until its W: the memory model counts that on the
+    built schedule, not with the interleaved schedule's warm-up formula (which made zb1 look like 2p − 1 micro-batches
+    on the first stage). ZB-H1 holds p micro-batches on every rank, as 1F1B's first stage does (Qi et al. 2023);
+    ZB-V holds 2p chunk passes of half the layers; DualPipeV one more."""
+    from minidist.plan.rank_memory import chunks_in_flight
+
+    p, m = 4, 8
+    first_1f1b = chunks_in_flight("1f1b", p, m, 1, 0)
+    assert [chunks_in_flight("zb1", p, m, 1, r) for r in range(p)] == [p] * p == [first_1f1b] * p
+    assert [chunks_in_flight("zbv", p, m, 1, r) for r in range(p)] == [2 * p] * p
+    assert [chunks_in_flight("dualpipev", p, m, 1, r) for r in range(p)] == [2 * p + 1] * p

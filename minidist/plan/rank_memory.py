@@ -159,7 +159,7 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         return microbatches * virtual_stages
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
-    if microbatches % pp == 0:
+    if schedule == "interleaved" and microbatches % pp == 0:
         # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)p forwards, then one more before the first backward
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
