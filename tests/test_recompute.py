@@ -61,6 +61,13 @@ def test_recompute_activation_memory_is_one_block_input_per_block():
     assert per_block[False] > 10 * per_block[True]
 
 
+def _small_moe():
+    """A two-block MoE model's config (capacity-limited, with the aux-free bias) and a fixed batch of tokens."""
+    cfg = get_preset("tiny", n_layers=2, **{**MODEL, "d_model": 32, "d_ff": 64},
+                     moe=dict(n_experts=4, top_k=2, d_expert=32, capacity_factor=1.0, bias_update_speed=0.01))
+    return cfg, torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_recompute_counts_each_moe_routing_once(early_stop):
     # torch's replay may stop once every saved tensor is rebuilt (early stop), before the counts; without early stop
@@ -69,9 +76,7 @@ def test_recompute_counts_each_moe_routing_once(early_stop):
 
     from minidist.model.moe.stats import moe_layers, update_router_biases
 
-    cfg = get_preset("tiny", n_layers=2, **{**MODEL, "d_model": 32, "d_ff": 64},
-                     moe=dict(n_experts=4, top_k=2, d_expert=32, capacity_factor=1.0, bias_update_speed=0.01))
-    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    cfg, tokens = _small_moe()
     counted = []
     for recompute in (False, True):
         model = build_model(cfg)
@@ -145,9 +150,7 @@ def test_selective_recompute_of_moe_blocks_counts_each_routing_once():
     for bit and the same tokens per expert as keeping every activation (a second count would double them)."""
     from minidist.model.moe.stats import moe_layers
 
-    cfg = get_preset("tiny", n_layers=2, **{**MODEL, "d_model": 32, "d_ff": 64},
-                     moe=dict(n_experts=4, top_k=2, d_expert=32, capacity_factor=1.0, bias_update_speed=0.01))
-    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    cfg, tokens = _small_moe()
     runs = []
     for selective in (False, True):
         model = build_model(cfg)
