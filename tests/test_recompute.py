@@ -146,7 +146,7 @@ def test_selective_recompute_with_context_parallel_is_refused(tmp_path):
 
 
 def test_selective_recompute_of_moe_blocks_counts_each_routing_once():
-    """An MoE block under the selective policy replays its routing under `replaying` too: the same gradients bit
+    """An MoE block under the selective policy replays its routing under `Replaying` too: the same gradients bit
     for bit and the same tokens per expert as keeping every activation (a second count would double them)."""
     from minidist.model.moe.stats import moe_layers
 

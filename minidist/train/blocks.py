@@ -38,26 +38,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from minidist.model.moe.layer import replaying
+from minidist.model.moe.layer import Replaying
 from minidist.model.moe.stats import moe_layers
 
 RECOMPUTE_MODES = ("full", "selective")
-
-class _Replaying:
-    """`replaying(block)` as a context that can be entered again: when the backward's graph is kept and walked twice
-    (a zero-bubble schedule's B and W, chapter 15), the checkpoint recomputes the block once per walk."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block, self.entered = block, []
-
-    def __enter__(self) -> None:
-        context = replaying(self.block)
-        context.__enter__()
-        self.entered.append(context)
-
-    def __exit__(self, *exc) -> bool | None:
-        return self.entered.pop().__exit__(*exc)
-
 
 # The operators whose outputs selective recomputation keeps: the matrix products (a linear on a [B, T, d] input is
 # an `mm` below autograd; grouped experts use `bmm`; FP8 linears `_scaled_mm`) and the fused attention kernels
@@ -75,7 +59,7 @@ def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 class _Both(contextlib.ExitStack):
-    """Two context managers entered together (a selective replay of an MoE block: the policy's and `replaying`)."""
+    """Two context managers entered together (a selective replay of an MoE block: the policy's and `Replaying`)."""
 
     def __init__(self, *contexts: contextlib.AbstractContextManager) -> None:
         super().__init__()
@@ -92,9 +76,9 @@ def _recompute_contexts(block: nn.Module, selective: bool) -> tuple[contextlib.A
     """(the first forward's context, the replay's): the replay routes MoE tokens again but counts nothing; under
     selective recomputation both also carry the policy's caches."""
     if not selective:
-        return contextlib.nullcontext(), _Replaying(block)
+        return contextlib.nullcontext(), Replaying(block)
     forward, replay = create_selective_checkpoint_contexts(keep_matmuls)
-    return (forward, _Both(replay, _Replaying(block))) if moe_layers(block) else (forward, replay)
+    return (forward, _Both(replay, Replaying(block))) if moe_layers(block) else (forward, replay)
 
 
 def _recomputed_forward(forward, *args, **kwargs):
@@ -106,7 +90,7 @@ def apply_recompute(model: nn.Module, mode: str = "full") -> nn.Module:
     """Recompute every block of `model.blocks` in the backward (in place: the block's own forward is wrapped):
     all of it (`mode="full"`) or all but its matmuls and attention (`"selective"`, the `keep_matmuls` policy).
 
-    A block with MoE layers replays its forward under `replaying` (each routing counted once). Under full
+    A block with MoE layers replays its forward under `Replaying` (each routing counted once). Under full
     recomputation only those take a context_fn: inductor accepts none but selective-checkpoint ones in a traced
     region, and an MoE layer's Python attributes (`aux_loss`, `last_stats`) make dynamo run its block's checkpoint
     eagerly anyway."""

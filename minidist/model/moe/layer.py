@@ -3,8 +3,7 @@ boolean-mask reference its sorted dispatch must equal."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,21 +105,26 @@ class MoELayer(nn.Module):
                 "balance_loss": float(balance), "z_loss": float(z)}
 
 
-@contextlib.contextmanager
-def replaying(module: nn.Module) -> Iterator[None]:
+class Replaying:
     """Within the block, the MoE layers inside `module` route without counting: the context of a recomputed forward
     (activation checkpointing runs a block's forward again in the backward; its routing was counted the first time).
 
     torch's non-reentrant checkpoint often stops the replay before the counts (once every saved tensor is rebuilt),
-    but only by the order of the operations; this makes "count each routing once" a rule, not a coincidence."""
-    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
-    before = [m.counting for m in layers]
-    for m in layers:
-        m.counting = False
-    try:
-        yield
-    finally:
-        for m, counting in zip(layers, before):
+    but only by the order of the operations; this makes "count each routing once" a rule, not a coincidence. It can
+    be entered again, nested or after an exit: when the backward's graph is walked twice (a zero-bubble schedule's B
+    and W, chapter 15), the checkpoint recomputes the block once per walk."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+        self.saved: list[list[bool]] = []  # the counting flags before each entry still open
+
+    def __enter__(self) -> None:
+        self.saved.append([m.counting for m in self.layers])
+        for m in self.layers:
+            m.counting = False
+
+    def __exit__(self, *exc) -> None:
+        for m, counting in zip(self.layers, self.saved.pop()):
             m.counting = counting
 
 
