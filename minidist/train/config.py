@@ -1,114 +1,29 @@
-"""The trainer's configuration: `TrainConfig`, read from defaults < a TOML file < command-line flags < `--set`
-items (`parse_config`), checked by `check_config`. A bad value is a one-line `ConfigError`; the command line prints
-it and exits with code 2. `minidist.train.loop` re-exports the public names.
+"""The trainer's configuration read: `TrainConfig` (minidist.train.settings) from defaults < a TOML file <
+command-line flags < `--set` items (`parse_config`), checked by `check_config` (minidist.train.config_checks). A bad
+value is a one-line `ConfigError`; the command line prints it and exits with code 2. This module re-exports the
+names callers need from the other two, so `from minidist.train.config import ...` stays the one place to import from.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import os
 import tomllib
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minidist.comm.bootstrap import DEVICES
-from minidist.data.corpus import VOCAB_SIZE
-from minidist.model import ModelConfig, get_preset
 from minidist.model.config import ALL_PRESETS
-from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
-from minidist.parallel.cp import IMPLS as CP_IMPLS
-from minidist.parallel.layout import RECOMPUTE
-from minidist.parallel.pp.schedules import ALL_SCHEDULES
-from minidist.precision import DTYPES
-from minidist.train.blocks import check_can_compile
-from minidist.train.optim import WarmupCosine
-from minidist.trust.faults import parse_fault
+from minidist.train.config_checks import check_config, coerce_setting, lr_schedule, model_config
+from minidist.train.settings import ConfigError, RankConfigError, TrainConfig, config_to_values
+
+__all__ = ["DESCRIPTION", "FLAGS", "ConfigError", "OneLineParser", "RankConfigError", "TrainConfig", "build_parser",
+           "check_config", "config_from_values", "config_to_values", "lr_schedule", "model_config", "parse_config",
+           "read_toml"]
 
 DESCRIPTION = ("The trainer: `python -m minidist.train` on one process, "
                "`torchrun --nproc_per_node=N -m minidist.train` on N.")
-
-
-class ConfigError(ValueError):
-    """A bad setting. The command line prints it as one line on stderr and exits with code 2."""
-
-
-class RankConfigError(ConfigError):
-    """A bad input one rank found after the process groups exist (its rank file, its fault drill): each rank
-    prints its own, starting with its rank, where a ConfigError of the pre-flight (the same on all) is said once."""
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a run. TOML keys and flags have the same names (flags with '-' for '_').
-
-    The model is a preset plus overrides: `[model]` in TOML holds `preset = "tiny"` and any ModelConfig field
-    (`n_layers = 2`, `moe = {n_experts = 4}`); on the command line `--model tiny --set model.n_layers=2`.
-    """
-
-    # model
-    model: str = "tiny"
-    model_overrides: dict = field(default_factory=dict)
-    # data: "stdlib" (the standard library's source), a text file, a directory of text files, a .bin or .npy file
-    data: str = "stdlib"
-    max_bytes: int | None = None
-    val_fraction: float = 0.05
-    # batch: global sizes, whatever the layout
-    batch_size: int = 16
-    seq_len: int = 128
-    microbatches: int = 1
-    # optimizer and schedule
-    steps: int = 200
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    # precision and device
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (minidist.precision)
-    fp8: str = "none"  # FP8 GEMMs of the blocks' linears: none, tensorwise, rowwise, blockwise (model/fp8_linear.py)
-    fp8_block: int = 128  # the blockwise recipe's tile/block size (1 x B activations, B x B weights)
-    recompute: str = "none"  # activation recomputation: none, selective (keep matmul outputs) or full (each block)
-    loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
-    compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
-    device: str = "auto"
-    # parallel layout (dp None: whatever the other dimensions leave of the world size)
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_impl: str = "ring"  # context-parallel attention (with cp > 1): ring, allgather, ulysses
-    ep: int = 1
-    zero: int = 0
-    bucket_mb: float | None = None  # gradient bucket cap in MiB (None: 25 on CUDA, 4 on a CPU)
-    sp: bool = False  # sequence parallel (with tp > 1)
-    tp_reduce_fp32: bool = False  # sum the tensor-parallel partial sums in fp32 (under bf16)
-    schedule: str = "1f1b"  # pipeline schedule (with pp > 1)
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    # evaluation, logging, checkpoints
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    ckpt_every: int = 100
-    keep: int = 3  # checkpoints kept: the newest ones (and always the one `latest` names)
-    resume: bool = False
-    stop_after: int = 0  # end cleanly after N completed steps (checkpoint at N), the schedule of --steps
-    overwrite: bool = False  # replace the run in OUT (its checkpoints, metrics, run.json, loss.png)
-    out: str = "runs/tiny"
-    seed: int = 0
-    peak_flops: float | None = None
-    plot: bool = True
-    # trust nothing (minidist.trust.replicas, minidist.trust.faults)
-    check_every: int = 50  # compare replicas every N steps, at every checkpoint, at resume and at the end
-    comm_timeout: float = 300.0  # seconds a collective may wait for a peer before the job stops
-    ckpt_timeout: float = 1800.0  # seconds the barriers around writing and reading checkpoints wait for a peer
-    inject_fault: str | None = None  # a fault drill: bitflip:STEP:RANK[:NAME]
 
 
 # (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
@@ -276,175 +191,10 @@ def config_from_values(values: dict[str, Any]) -> TrainConfig:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; known: {known} and a [model] table")
-    kwargs = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
+    kwargs = {key: coerce_setting(key, value, hints[key]) for key, value in values.items()}
     if isinstance(kwargs.get("out"), str):  # '~/x' quoted past the shell: the same directory for checks and writes
         kwargs["out"] = os.path.expanduser(kwargs["out"])
     preset = model.pop("preset", TrainConfig.model)
-    return TrainConfig(model=_coerce("model.preset", preset, str), model_overrides=model, **kwargs)
+    return TrainConfig(model=coerce_setting("model.preset", preset, str), model_overrides=model, **kwargs)
 
 
-def config_to_values(cfg: TrainConfig) -> dict[str, Any]:
-    """The inverse of `config_from_values` (what run.json and checkpoints record)."""
-    values = dataclasses.asdict(cfg)
-    values["model"] = {"preset": values.pop("model"), **values.pop("model_overrides")}
-    return values
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    allowed = typing.get_args(hint) or (hint,)
-    if value is None and type(None) in allowed:
-        return None
-    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
-        names = " or ".join(t.__name__ for t in allowed if t is not type(None))
-        raise ConfigError(f"{key} must be {names}, got {value!r}")
-    return value
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    overrides = _typed_fields(ModelConfig, cfg.model_overrides, "model")
-    try:
-        return get_preset(cfg.model, **overrides)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def _typed_fields(cls: type, values: Any, where: str) -> dict[str, Any]:
-    """`values` checked against the field types of dataclass `cls`: n_layers=2.0 is not an int, moe=3 is not a
-    table. Sub-configs (tables) are checked field by field; unknown names are left for the model to report."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where} must be a table (e.g. {where}={{...}}), got {values!r}")
-    hints = typing.get_type_hints(cls)
-    typed = {}
-    for key, value in values.items():
-        hint, name = hints.get(key), f"{where}.{key}"
-        if hint is None:
-            typed[key] = value
-        elif dataclasses.is_dataclass(hint):  # a table, or already the sub-config itself
-            typed[key] = value if isinstance(value, hint) else _typed_fields(hint, value, name)
-        else:
-            typed[key] = _coerce(name, value, hint)
-    return typed
-
-
-def _non_finite(values: Any, where: str = "") -> list[str]:
-    """Names of the float settings in `values` (nested dicts) that are NaN or infinite."""
-    if isinstance(values, dict):
-        return [bad for k, v in values.items() for bad in _non_finite(v, f"{where}.{k}" if where else k)]
-    return [f"{where}={values}"] if isinstance(values, float) and not math.isfinite(values) else []
-
-
-def check_config(cfg: TrainConfig) -> ModelConfig:
-    """Raise a one-line ConfigError for the first bad setting; return the resolved model config."""
-    non_finite = _non_finite(config_to_values(cfg))
-    if non_finite:
-        raise ConfigError(f"settings must be finite numbers, got {', '.join(non_finite)}")
-    mcfg = model_config(cfg)
-    _check_ranges(cfg)
-    _check_batch_and_model(cfg, mcfg)
-    _check_choices(cfg)
-    _check_combinations(cfg)
-    _check_data(cfg)
-    try:
-        if cfg.compile:  # asked for; the default (None) compiles only where it can (blocks.resolve_compile)
-            check_can_compile(cfg.device)
-        if cfg.inject_fault is not None:
-            parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    lr_schedule(cfg)  # its own checks (lr >= min_lr >= 0)
-    return mcfg
-
-
-# The lowest value of each integer setting.
-AT_LEAST = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_batches": 1, "log_every": 1,
-            "eval_every": 0, "ckpt_every": 0, "warmup_steps": 0, "zero": 0, "tp": 1, "pp": 1, "cp": 1, "ep": 1,
-            "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0, "fp8_block": 1}
-
-
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 24 * 3600.0
-
-
-def _check_ranges(cfg: TrainConfig) -> None:
-    for key, low in AT_LEAST.items():
-        if getattr(cfg, key) < low:
-            raise ConfigError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
-    if not 0 <= cfg.stop_after <= cfg.steps:
-        raise ConfigError(f"--stop-after {cfg.stop_after} is outside 0..steps ({cfg.steps}): N completed steps of "
-                          "--steps, then a checkpoint and exit (0: run all steps)")
-    if cfg.dp is not None and cfg.dp < 1:
-        raise ConfigError(f"dp must be >= 1, got {cfg.dp}")
-    if cfg.zero > 3:
-        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {cfg.zero}")
-    for key in ("weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ConfigError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.max_bytes is not None and cfg.max_bytes < 1:
-        raise ConfigError(f"max_bytes must be >= 1, got {cfg.max_bytes}")
-    if cfg.bucket_mb is not None and not cfg.bucket_mb * 2**20 >= 1:
-        raise ConfigError(f"bucket_mb must be > 0 (at least one byte), got {cfg.bucket_mb}")
-    for key in ("comm_timeout", "ckpt_timeout"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0 seconds, got {getattr(cfg, key)}")
-        if not MIN_TIMEOUT_S <= getattr(cfg, key) <= MAX_TIMEOUT_S:  # the backend counts whole ms in a C++ int
-            raise ConfigError(f"{key} must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds (one week), got "
-                              f"{getattr(cfg, key)}")
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
-    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
-        raise ConfigError(f"peak_flops must be > 0 FLOP/s, got {cfg.peak_flops} (leave it out to use the chip's)")
-    if not 0 <= cfg.seed < 2**63:
-        raise ConfigError(f"seed must be in [0, 2**63), got {cfg.seed}")
-
-
-def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
-    if cfg.batch_size % cfg.microbatches:
-        fits = [m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0]
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by microbatches {cfg.microbatches}; "
-                          f"microbatches in {fits} would fit")
-    if cfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; "
-                          f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
-    if mcfg.vocab_size < VOCAB_SIZE:
-        raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
-
-
-def _check_choices(cfg: TrainConfig) -> None:
-    """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
-    for key, allowed in (("dtype", DTYPES), ("fp8", ("none", *FP8_RECIPES)), ("recompute", RECOMPUTE),
-                         ("device", DEVICES), ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS)):
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
-
-
-def _check_combinations(cfg: TrainConfig) -> None:
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume continues the run in OUT and --overwrite replaces it; give one of them")
-    if cfg.loss_chunk and cfg.tp > 1:
-        raise ConfigError("--loss-chunk with --tp > 1: the vocab-parallel loss is not chunked; use --loss-chunk 0")
-    if cfg.loss_chunk and cfg.zero == 3:
-        raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
-                          "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
-    if cfg.recompute == "selective" and cfg.cp > 1:
-        raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
-                          "keys, and the policy would keep every block's output; use --recompute full or --cp 1")
-
-
-def _check_data(cfg: TrainConfig) -> None:
-    path = Path(cfg.data).expanduser()
-    if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not path.exists():
-        raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
-                          "a .bin/.npy file, or 'stdlib'")
-    if cfg.data != "stdlib" and path.exists() and not (path.is_file() or path.is_dir()):  # would never finish reading
-        raise ConfigError(f"data path {cfg.data!r} is not a regular file or a directory (a FIFO or a device?)")
-
-
-def lr_schedule(cfg: TrainConfig) -> WarmupCosine:
-    try:
-        return WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
