@@ -78,6 +78,8 @@ FLAGS: list[tuple[str, str]] = [
     ("--out", "output directory: metrics.jsonl, run.json, loss.png, checkpoints/"),
     ("--seed", "seed of the initialization and of the data order"),
     ("--peak-flops", "peak FLOP/s for MFU (default: datasheet for known GPUs, a measured matmul on CPU)"),
+    ("--profile-steps", "A:B: a torch.profiler trace per rank of steps A..B (0-based, as metrics.jsonl counts them, "
+                        "both included) in OUT/profile/rank{R}_steps{A}-{B}.json, for Perfetto or chrome://tracing"),
     ("--check-every", "compare the replicas' parameters and buffers (hashes) every N steps, at checkpoints, at "
                       "resume and at the end (0: only those)"),
     ("--comm-timeout", "seconds any collective waits for a peer before the job stops, naming the group"),
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(inductor; on a CPU it needs a C++ compiler). Default: on CUDA (with Triton), off elsewhere")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
+    parser.add_argument("--tensorboard", action="store_true", help="also write the figures of metrics.jsonl as "
+                        "TensorBoard events in OUT/tensorboard/ (needs: pip install -e '.[tensorboard]')")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, TOML syntax for the value: --set model.n_layers=2 --set lr=1e-3")
     return parser

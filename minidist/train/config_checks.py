@@ -19,7 +19,9 @@ from minidist.parallel.layout import RECOMPUTE
 from minidist.parallel.pp.schedules import ALL_SCHEDULES
 from minidist.precision import DTYPES
 from minidist.train.blocks import check_can_compile
+from minidist.train.dashboard import require_tensorboard
 from minidist.train.optim import WarmupCosine
+from minidist.train.profiling import parse_profile_steps
 from minidist.train.settings import ConfigError, TrainConfig, config_to_values
 from minidist.trust.faults import parse_fault
 
@@ -85,6 +87,10 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
             check_can_compile(cfg.device)
         if cfg.inject_fault is not None:
             parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
+        if cfg.tensorboard:
+            require_tensorboard()  # an optional extra: refused here, never a run that silently writes none
+        if cfg.profile_steps is not None:
+            parse_profile_steps(cfg.profile_steps, cfg.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     lr_schedule(cfg)  # its own checks (lr >= min_lr >= 0)

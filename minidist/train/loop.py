@@ -56,9 +56,11 @@ from minidist.train.config import (
     model_config,
     parse_config,
 )
+from minidist.train.dashboard import Dashboard
 from minidist.train.optim import build_optimizer
 from minidist.train.plots import plot_losses, read_metrics
 from minidist.train.preflight import preflight
+from minidist.train.profiling import StepProfiler
 from minidist.train.run import Run
 from minidist.trust import faults, health, replicas
 
@@ -191,10 +193,14 @@ def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.
     every loss and gradient norm so far is finite; once False, the update of this step and of every later one is
     skipped on the device (`ParallelModel.step`), so the weights stay those before the first non-finite step until
     the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does)."""
-    losses = parallel.forward_backward_on_device(batches, autocast)
-    grad_norm = parallel.clip_grad_norm_(grad_clip)
+    # the ranges name the phases in a --profile-steps trace (minidist.train.profiling); no cost outside one
+    with torch.profiler.record_function("forward_backward"):
+        losses = parallel.forward_backward_on_device(batches, autocast)
+    with torch.profiler.record_function("clip_grad_norm"):  # waits for the gradients' reduction
+        grad_norm = parallel.clip_grad_norm_(grad_clip)
     healthy = health.finite_on_device(losses.loss, grad_norm, healthy)
-    parallel.step(apply=healthy)
+    with torch.profiler.record_function("optimizer_step"):
+        parallel.step(apply=healthy)
     return losses, grad_norm, healthy
 
 
@@ -234,10 +240,13 @@ def train_loop(run: Run) -> dict[str, Any]:
     cfg, info, last = run.cfg, run.info, run.cfg.steps - 1
     stopping = run_state.end_step(cfg) - 1
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl") if run.is_main else None
+    board = Dashboard(run.out, run.start_step) if run.is_main and cfg.tensorboard else None
+    profiler = StepProfiler(cfg.profile_steps, cfg.steps, run.out, run.env.rank, run.device)
     if run.is_main:
         out_files.replace_file(run.out / "run.json", (json.dumps(info, indent=2) + "\n").encode())
-    for line in metrics.header_lines(cfg, info, run.out):
-        run.log(line)
+    for line in [*metrics.header_lines(cfg, info, run.out), profiler.skipped(run.start_step)]:
+        if line:
+            run.log(line)
     summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
     clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
     meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size,
@@ -245,16 +254,9 @@ def train_loop(run: Run) -> dict[str, Any]:
     pending: list[dict[str, Any]] = []  # the window's steps, their figures still on the device
     healthy, started = None, time.perf_counter()
     for step in range(run.start_step, run_state.end_step(cfg)):  # --stop-after ends it early
-        lr = run.schedule.apply(run.parallel.optimizer, step)
-        batches = local_batches(run.sampler, step, run.topo, cfg.microbatches, run.device)
-        losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=cfg.grad_clip,
-                                                autocast=run.autocast, healthy=healthy)
-        run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
-        inject_fault(run, step)
-        device = {"loss": losses.loss, "grad_norm": grad_norm}
-        if run.mcfg.moe.n_experts > 0:
-            device.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats_on_device())
-        pending.append({"step": step, "lr": lr, "device": device})
+        with profiler.step(step, run.autocast) as autocast:
+            figures, healthy = run_step(run, step, autocast, healthy)
+        pending.append(figures)
         clock.tick()
         logging = _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping)
         if not (logging or any(_is_due(step, every, last) for every in (cfg.eval_every, cfg.check_every))
@@ -270,6 +272,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 records[-1]["fp8_snr_db"] = snr
         if writer:
             writer.write_many(records)
+        if board:
+            board.write(records)  # the figures just read: no host read of its own
         for record in records:
             for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
                 summary[key].append(record[name])
@@ -279,7 +283,25 @@ def train_loop(run: Run) -> dict[str, Any]:
             replicas.check_model(run.parallel, f"check after step {step}")
         run_state.checkpoint_if_due(run, step)  # every --ckpt-every steps, at the end and at --stop-after
         started = time.perf_counter()  # evaluations, checks and checkpoints are no step's time
+    profiler.close()  # a run stopped inside --profile-steps (--stop-after) writes the steps it ran
+    if board:
+        board.close()
     return finish(run, summary, clock, meter)
+
+
+def run_step(run: Run, step: int, autocast: Callable, healthy: torch.Tensor | None
+             ) -> tuple[dict[str, Any], torch.Tensor]:
+    """Step `step`'s work, queued: its learning rate and its figures still on the device, and `healthy`."""
+    lr = run.schedule.apply(run.parallel.optimizer, step)
+    batches = local_batches(run.sampler, step, run.topo, run.cfg.microbatches, run.device)
+    losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=run.cfg.grad_clip,
+                                            autocast=autocast, healthy=healthy)
+    run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
+    inject_fault(run, step)
+    device = {"loss": losses.loss, "grad_norm": grad_norm}
+    if run.mcfg.moe.n_experts > 0:
+        device.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats_on_device())
+    return {"step": step, "lr": lr, "device": device}, healthy
 
 
 def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, started: float) -> list[dict[str, Any]]:

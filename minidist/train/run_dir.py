@@ -36,7 +36,8 @@ from minidist.train import checkpoint
 from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
-RUN_FILES = (*RUN_MARKERS, "loss.png", "flight")  # what the trainer writes, and all that --overwrite removes
+# what the trainer writes, and all that --overwrite removes (tensorboard/ and profile/: --tensorboard, --profile-steps)
+RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", "tensorboard", "profile")
 HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
 LOCK = ".lock"
@@ -46,6 +47,8 @@ _TMP = r"(\.[\w.-]+\.[0-9a-f]{8}\.tmp)"
 OWN_CHECKPOINT_ENTRY = re.compile(rf"latest|\.latest\.tmp|(\.tmp_)?step_\d{{6,}}|{_TMP}")
 OWN_STEP_ENTRY = re.compile(rf"meta\.json|rank\d+\.(pt|sha256)|{_TMP}")
 OWN_FLIGHT_ENTRY = re.compile(r"rank\d+\.json(\.tmp)?|nccl_rank_?\d+[\w.-]*")
+OWN_BOARD_ENTRY = re.compile(r"events\.out\.tfevents\.[\w.-]+")  # SummaryWriter's names
+OWN_PROFILE_ENTRY = re.compile(r"rank\d+_steps\d+-\d+\.json|\.trace\.\w+")  # profiling.StepProfiler's
 
 
 def check_out(cfg: TrainConfig) -> None:
@@ -108,10 +111,11 @@ def _entries(directory: Path) -> list[Path]:
 def foreign_files(out: Path) -> list[Path]:
     """What --overwrite would delete that the trainer never writes: a `run.json`, `metrics.jsonl` or `loss.png`
     that is not a file (a link is fine: unlinked, never followed), and any entry of `checkpoints/` or `flight/`
-    not named as the trainer names its own (a user's `checkpoints/my_model.bin`)."""
+    (or `tensorboard/`, `profile/`) not named as the trainer names its own (a user's `checkpoints/my_model.bin`)."""
     foreign = [out / n for n in ("run.json", "metrics.jsonl", "loss.png")
                if (out / n).exists() and not (out / n).is_symlink() and not (out / n).is_file()]
-    for name, own in (("checkpoints", OWN_CHECKPOINT_ENTRY), ("flight", OWN_FLIGHT_ENTRY)):
+    for name, own in (("checkpoints", OWN_CHECKPOINT_ENTRY), ("flight", OWN_FLIGHT_ENTRY),
+                      ("tensorboard", OWN_BOARD_ENTRY), ("profile", OWN_PROFILE_ENTRY)):
         root = out / name
         if not root.is_dir() or root.is_symlink():
             foreign += [root] if root.exists() and not root.is_symlink() else []  # a file named checkpoints

@@ -80,6 +80,8 @@ class TrainConfig:
     seed: int = 0
     peak_flops: float | None = None
     plot: bool = True
+    tensorboard: bool = False  # write metrics.jsonl's figures as TensorBoard events in OUT/tensorboard/ (dashboard.py)
+    profile_steps: str | None = None  # A:B: a torch.profiler trace per rank of steps A..B, OUT/profile/ (profiling.py)
     # trust nothing (minidist.trust.replicas, minidist.trust.faults)
     check_every: int = 50  # compare replicas every N steps, at every checkpoint, at resume and at the end
     comm_timeout: float = 300.0  # seconds a collective may wait for a peer before the job stops

@@ -1,0 +1,132 @@
+"""The dashboards: --tensorboard writes metrics.jsonl's figures as TensorBoard events (read back with TensorBoard's
+own reader, equal to metrics.jsonl's values; a resumed run appends without a duplicated step; refused in one line
+without the package), and --profile-steps writes one Chrome/Perfetto trace per rank of the steps asked for, where a
+gloo all-reduce runs beside the backward (one 2-rank launch, which also counts host reads: neither adds one)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minidist.comm.launch import run_ranks
+from minidist.debug.host_reads import count_run
+from minidist.train import loop as train
+from minidist.train.config import ConfigError, TrainConfig, parse_config
+from minidist.train.dashboard import Dashboard, scalars
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
+
+
+def config(out, **changes) -> TrainConfig:
+    settings = dict(model="tiny", model_overrides=dict(MODEL), max_bytes=100_000, batch_size=8, seq_len=32,
+                    steps=4, warmup_steps=1, eval_every=2, eval_batches=2, log_every=1, ckpt_every=0,
+                    out=str(out), peak_flops=1e9, plot=False, tensorboard=True)
+    return TrainConfig(**{**settings, **changes})
+
+
+def events(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} as TensorBoard shows them (its reader: purges applied, every scalar kept)."""
+    reader = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def f32(value: float) -> float:
+    return float(np.float32(value))  # an event holds a float32
+
+
+def test_events_equal_metrics_and_a_resume_appends(tmp_path):
+    out = tmp_path / "run"
+    train.train(config(out, stop_after=2, ckpt_every=2))
+    first_files = sorted((out / "tensorboard").iterdir())
+    train.train(config(out, ckpt_every=2, resume=True))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    got = events(out)
+    assert set(first_files) < set((out / "tensorboard").iterdir())  # the resumed run added its file, kept the first
+    for name, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                      ("tokens_per_s", "perf/tokens_per_s"), ("mfu", "perf/mfu"), ("step_s", "perf/step_s")):
+        assert got[tag] == [(r["step"], f32(r[name])) for r in rows], tag  # every step once, metrics.jsonl's value
+    assert got["train/val_loss"] == [(r["step"], f32(r["val_loss"])) for r in rows if "val_loss" in r]
+    assert [s for s, _ in got["train/val_loss"]] == [1, 3]
+    assert got["memory/peak_bytes/rank0"] == [(r["step"], f32(r["peak_mem_bytes"][0])) for r in rows]
+
+
+def test_a_resume_purges_the_steps_it_redoes(tmp_path):
+    # A run that died after step 3 but resumes from its checkpoint at step 2 writes steps 2 and 3 again: TensorBoard
+    # must show the new ones only, once each (metrics.jsonl drops the old ones the same way).
+    Dashboard(tmp_path, start_step=0).write([{"step": s, "loss": float(s)} for s in range(4)])
+    again = Dashboard(tmp_path, start_step=2)
+    again.write([{"step": s, "loss": 10.0 + s} for s in (2, 3)])
+    again.close()
+    assert events(tmp_path)["train/loss"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+def test_every_figure_has_a_tag():
+    record = {"step": 5, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "aux_loss": 0.01, "moe_load_imbalance": 1.25,
+              "peak_mem_bytes": [10, 20], "fp8_snr_db": {"blocks.0.mlp": [30.0, 40.0]}, "val_loss": float("nan")}
+    assert scalars(record) == {
+        "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/aux_loss": 0.01,
+        "moe/moe_load_imbalance": 1.25, "memory/peak_bytes/rank0": 10.0, "memory/peak_bytes/rank1": 20.0,
+        "other/fp8_snr_db/blocks.0.mlp/0": 30.0, "other/fp8_snr_db/blocks.0.mlp/1": 40.0}  # no NaN, no step
+
+
+def test_without_the_package_the_flag_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--tensorboard"])
+    assert "pip install -e '.[tensorboard]'" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="tensorboard"):
+        train.train(config(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before OUT, before any process group
+    assert parse_config([]).tensorboard is False  # without the flag, nothing needs it
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("3", "is not A:B"), ("a:b", "is not A:B"), ("-1:2", "is not A:B"), ("1:2:3", "is not A:B"),
+    ("3:1", "comes after"), ("2:4", "past the run's last step, 3"),
+])
+def test_bad_profile_steps_are_one_line(spec, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--steps", "4", f"--profile-steps={spec}"])
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert parse_config(["--steps", "4", "--profile-steps", "0:3"]).profile_steps == "0:3"
+
+
+def _rank_run(out: str) -> dict:
+    """dp 2, both dashboards on, small buckets (the backward launches many all-reduces); host reads counted."""
+    torch.set_num_threads(1)
+    cfg = config(out, microbatches=2, steps=3, eval_every=0, check_every=0, log_every=100, dp=2, bucket_mb=0.02,
+                 profile_steps="1:2")
+    return count_run(cfg, ops=False)
+
+
+def test_a_trace_per_rank_and_events_from_rank_0(tmp_path):
+    ranks = run_ranks(_rank_run, 2, str(tmp_path), timeout=120, threads_per_rank=1)
+    for counts in ranks:  # a step that does not log still reads at most one value (tests/test_host_reads.py)
+        quiet = [sum(counts["sites"][s].values()) for s in counts["reads"] if s not in counts["logging"]]
+        assert quiet and all(n <= 1 for n in quiet), counts["sites"]
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0_steps1-2.json", "rank1_steps1-2.json"]
+    for rank in range(2):
+        trace = json.loads((tmp_path / "profile" / f"rank{rank}_steps1-2.json").read_text())
+        ranges = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        names = {e["name"] for e in ranges}
+        assert {"step 1", "step 2", "forward", "forward_backward", "clip_grad_norm", "optimizer_step"} <= names
+        assert "step 0" not in names  # only the steps asked for
+        backward = [e for e in ranges if e["name"].startswith("autograd::engine::evaluate_function")]
+        reduces = [e for e in ranges if e["name"] == "gloo:all_reduce"]
+        assert backward and reduces, f"rank {rank}: no backward or no gloo all-reduce in the trace"
+        overlapping = [g for g in reduces if any(b["ts"] < g["ts"] + g["dur"] and g["ts"] < b["ts"] + b["dur"]
+                                                 for b in backward)]
+        assert overlapping, f"rank {rank}: no all-reduce overlaps the backward"  # bucketed DP's overlap, visible
+    files = list((tmp_path / "tensorboard").iterdir())
+    assert len(files) == 1  # rank 0 writes the events, every rank's memory among them
+    got = events(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for rank in range(2):
+        assert got[f"memory/peak_bytes/rank{rank}"] == [(r["step"], f32(r["peak_mem_bytes"][rank])) for r in rows]
