@@ -11,10 +11,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # the reference is built from local files on
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 from minidist.comm.launch import run_ranks  # noqa: E402
-from minidist.convert import hf_files  # noqa: E402
+from minidist.convert import hf_files, hf_tokenizer  # noqa: E402
 from minidist.convert.hf_model import ConvertError, from_hf_state, to_hf_state  # noqa: E402
 from minidist.convert.runs import main, read_hf  # noqa: E402
 from minidist.data.corpus import BatchSampler, load_corpus  # noqa: E402
@@ -235,14 +236,20 @@ def run_config(out, **changes) -> TrainConfig:
     return TrainConfig(**{**settings, **changes})
 
 
-def test_to_hf_from_a_dp2_tp2_checkpoint(tmp_path, one_thread):
+def test_to_hf_from_a_dp2_tp2_checkpoint(tmp_path, one_thread, capsys):
     """The HF model converted from a dp2 x tp2 run's checkpoint computes the logits of the one-process run's model
     (same seed and batch), and reads back as the checkpoint's full model bit for bit."""
     # train.train itself is the rank function: rank processes import minidist only, not this module's transformers
     run_ranks(train.train, 4, run_config(tmp_path / "dp2tp2", dp=2, tp=2), timeout=300, threads_per_rank=1,
               case="dp2 x tp2, 1 step")
     train.train(run_config(tmp_path / "single"))
+    (tmp_path / "dp2tp2" / "tokenizer.json").unlink(missing_ok=True)  # a run from before the trainer wrote one
+    capsys.readouterr()
     assert main(["to-hf", str(tmp_path / "dp2tp2"), str(tmp_path / "hf")]) == 0
+    note = capsys.readouterr().err.splitlines()  # said in one line, the weights written alone
+    assert len(note) == 1 and "tokenizer.json is missing" in note[0] and "weights only" in note[0], note
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    _check_tokenizer_beside_weights(tmp_path / "single", tmp_path, capsys)
 
     step_dir = tmp_path / "dp2tp2" / "checkpoints" / "step_000001"
     full = read_full_model(step_dir)
@@ -256,6 +263,51 @@ def test_to_hf_from_a_dp2_tp2_checkpoint(tmp_path, one_thread):
     with torch.no_grad():
         want = single(tokens)
     torch.testing.assert_close(hf_logits(tmp_path / "hf", tokens), want, **LOGIT_TOL)
+
+
+def small_bpe() -> Tokenizer:
+    """A BPE trained here on two sentences (at most 120 ids), with an end-of-text special token."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"] * 10
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "<|endoftext|>"],
+                                                      show_progress=False))
+    return tok
+
+
+def _check_tokenizer_beside_weights(run, tmp_path, capsys) -> None:
+    """to-hf writes RUN_OUT/tokenizer.json beside the weights: transformers' AutoTokenizer loads the directory
+    offline and encodes as the `tokenizers` object does; a tokenizer that is not the run's is refused first."""
+    tok = small_bpe()
+    assert tok.encode("quick").tokens == ["quick"]  # merges learned, not characters alone
+    tok.save(str(run / "tokenizer.json"))  # what the trainer writes (the BPE of a prepared dataset)
+    assert main(["to-hf", str(run), str(tmp_path / "hf_tok")]) == 0
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf_tok")
+    text = "the lazy fox jumps over five brown jugs"
+    assert loaded(text)["input_ids"] == tok.encode(text).ids
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == tok.token_to_id("<|endoftext|>")
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "hf_tok").config.vocab_size >= tok.get_vocab_size()
+
+    capsys.readouterr()
+    for text, words in (("{not json", "is not a tokenizers JSON"), (json.dumps({"model": 3}), "not a tokenizers")):
+        (run / "tokenizer.json").write_text(text)
+        assert main(["to-hf", str(run), str(tmp_path / "hf_bad")]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and words in err[0], err
+        assert not (tmp_path / "hf_bad").exists()  # refused before anything is written
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))  # 300 ids > 256 rows
+    with pytest.raises(ConvertError, match="300 token ids but the model's embedding has 256 rows"):
+        hf_tokenizer.read_run_tokenizer(_saved(big, tmp_path / "big"), 256)
+    (tmp_path / "fifo_run").mkdir()
+    os.mkfifo(tmp_path / "fifo_run" / "tokenizer.json")
+    with pytest.raises(ConvertError, match="not a regular file"):  # never read (a FIFO would block forever)
+        hf_tokenizer.read_run_tokenizer(tmp_path / "fifo_run", 256)
+
+
+def _saved(tok: Tokenizer, run):
+    run.mkdir()
+    tok.save(str(run / "tokenizer.json"))
+    return run
 
 
 def test_from_hf_run_fine_tunes_with_resume(tmp_path, one_thread, capsys):

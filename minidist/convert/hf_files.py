@@ -7,7 +7,8 @@ dtype and shape is checked against what the config implies before its bytes are 
 `torch.load(weights_only=True)` only: tensors and plain containers, never pickled code. A shard index may only
 name plain file names in the same directory, each listing exactly the tensors the index assigns to it.
 
-Write: `config.json` and one `model.safetensors` into a directory that is new or empty; nothing there is replaced.
+Write: `config.json` and one `model.safetensors` (and the tokenizer's files: `minidist.convert.hf_tokenizer`) into
+a directory that is new or empty; nothing there is replaced.
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ def check_new_dir(hf_dir: Path) -> None:
         raise ConvertError(f"{hf_dir} cannot be created: {parent} is not writable (permission or read-only mount)")
 
 
-def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """config.json and model.safetensors into HF_DIR, which must be new or empty (nothing is replaced)."""
+def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor],
+                 extra_files: dict[str, bytes] | None = None) -> None:
+    """config.json and model.safetensors into HF_DIR, which must be new or empty (nothing is replaced), with
+    `extra_files` ({plain name: bytes}: the tokenizer's) before config.json."""
     hf_dir = Path(hf_dir)
     check_new_dir(hf_dir)
     tmp = hf_dir / "model.safetensors.tmp"
@@ -93,6 +96,8 @@ def write_hf_dir(hf_dir: Path, config: dict[str, Any], state: dict[str, torch.Te
         hf_dir.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, hf_dir / "model.safetensors")
+        for name, data in (extra_files or {}).items():
+            (hf_dir / Path(name).name).write_bytes(data)
         # config.json last: a directory whose write was interrupted is not a loadable checkpoint.
         (hf_dir / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     except Exception as e:  # noqa: BLE001 - OSError (a full disk) or safetensors' own error for the same

@@ -5,7 +5,8 @@
 
 to-hf: the latest checkpoint of the run in RUN_OUT, whatever layout wrote it (`minidist.train.reshard.read_full_model`
 gathers the full model), as config.json + model.safetensors (fp32) in HF_DIR, loadable by
-`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`.
+`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`, with the run's RUN_OUT/tokenizer.json beside them
+(+ tokenizer_config.json) for `transformers.AutoTokenizer.from_pretrained(HF_DIR)`.
 
 from-hf: a fine-tuning run in RUN_OUT that starts from the converted weights. The trainer flags (--data,
 --batch-size, --seq-len, --steps, --lr, ...) are fixed here, because a resumed run must keep them; they are written
@@ -26,13 +27,13 @@ import json
 import math
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minidist.convert import hf_files
+from minidist.convert import hf_files, hf_tokenizer
 from minidist.convert.hf_model import ConvertError, from_hf_state, hf_shapes, model_config_from_hf, to_hf_state
 from minidist.model import ModelConfig
 from minidist.model.config import config_to_dict
@@ -82,18 +83,24 @@ def latest_checkpoint(run_out: Path) -> tuple[Path, ModelConfig]:
         raise ConvertError(f"cannot read the checkpoint in {root}: {e}") from None
 
 
-def to_hf(run_out: Path, hf_dir: Path) -> Path:
-    """Write the latest checkpoint of RUN_OUT as a Hugging Face Llama checkpoint in HF_DIR; return its step dir."""
+def to_hf(run_out: Path, hf_dir: Path, note: Callable[[str], None] = print) -> Path:
+    """Write the latest checkpoint of RUN_OUT as a Hugging Face Llama checkpoint in HF_DIR, with the run's tokenizer
+    (`minidist.convert.hf_tokenizer`; a run without one: `note` says so, the weights alone); return its step dir."""
     from minidist.train.reshard import read_full_model
 
     hf_files.check_new_dir(hf_dir)  # before the (long) read of the checkpoint
     step_dir, cfg = latest_checkpoint(run_out)
+    tokenizer = hf_tokenizer.read_run_tokenizer(run_out, cfg.vocab_size)  # checked before anything is written
     try:
         state = read_full_model(step_dir)
     except ValueError as e:
         raise ConvertError(str(e)) from None
     config, hf_state = to_hf_state(cfg, state)
-    hf_files.write_hf_dir(hf_dir, config, hf_state)
+    extra = hf_tokenizer.tokenizer_files(tokenizer, cfg.max_seq_len) if tokenizer is not None else {}
+    hf_files.write_hf_dir(hf_dir, config, hf_state, extra)
+    if tokenizer is None:
+        note(f"note: {Path(run_out) / hf_tokenizer.TOKENIZER} is missing (a run older than the trainer's tokenizer "
+             f"file: its tokens were bytes 0..255); wrote the weights only, no tokenizer in {hf_dir}")
     return step_dir
 
 
@@ -214,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     to = sub.add_parser("to-hf", help="the latest checkpoint of a run (any layout) -> a Hugging Face directory",
                         description="Write the latest checkpoint of RUN_OUT (any parallel layout) as config.json + "
-                                    "model.safetensors (fp32) for transformers' LlamaForCausalLM.")
+                                    "model.safetensors (fp32) for transformers' LlamaForCausalLM, and the run's "
+                                    "tokenizer.json (+ tokenizer_config.json) for AutoTokenizer.")
     to.add_argument("run_out", type=Path, metavar="RUN_OUT", help="the --out directory of a minidist run")
     to.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="a new (or empty) directory")
     fr = sub.add_parser("from-hf", help="a Hugging Face Llama directory -> a run that `train --resume` fine-tunes",
@@ -238,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "to-hf":
             if rest:
                 raise ConvertError(f"to-hf takes no other arguments, got {' '.join(rest)}")
-            step_dir = to_hf(args.run_out, args.hf_dir)
+            step_dir = to_hf(args.run_out, args.hf_dir, note=lambda line: print(line, file=sys.stderr))
             print(f"wrote {args.hf_dir} from {step_dir}")
         else:
             toml = from_hf(args.hf_dir, args.run_out, rest, args.rope_layout)

@@ -18,7 +18,8 @@ peak FLOP/s used for MFU and its source; final figures added at the end), `metri
 step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
 `grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s` (the mean over the step's logging window: see
 `train_loop`); `val_loss` after the update on evaluation steps;
-`aux_loss` and `moe_*` for MoE models), `loss.png`, and `checkpoints/` (see minidist.train.checkpoint); on a failure,
+`aux_loss` and `moe_*` for MoE models), `loss.png`, `tensorboard/` (--tensorboard: minidist.train.dashboard), `profile/`
+(--profile-steps: minidist.train.profiling), and `checkpoints/` (see minidist.train.checkpoint); on a failure,
 a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.comm.recorder`; `python -m minidist.debug diff`).
 """
 

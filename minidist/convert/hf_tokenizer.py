@@ -1,0 +1,68 @@
+"""The run's tokenizer beside the converted weights, so `transformers.AutoTokenizer.from_pretrained(HF_DIR)` loads
+it offline with the model.
+
+The trainer writes its tokenizer as RUN_OUT/tokenizer.json (a Hugging Face `tokenizers` JSON, the byte tokenizer's
+too). to-hf reads it as untrusted input (a regular file, at most MAX_TOKENIZER_BYTES, parsed by the `tokenizers`
+package: JSON, nothing executes), checks that every id it can produce is a row of the model's embedding, and
+writes it unchanged with a minimal `tokenizer_config.json` (the fast tokenizer's class, the model's context length,
+the end-of-text token when the tokenizer has one of the usual names as a special token). A run without one (older
+than its tokenizer file) gets the weights only, and to-hf says so in one line: its tokens were bytes 0..255.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from minidist.convert.hf_model import ConvertError
+
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 256 * 2**20  # read whole: Llama 3's 128k-token tokenizer.json is about 9 MB
+# End-of-text tokens of common tokenizers, the first one a tokenizer holds as a special token becomes eos_token.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
+    """RUN_OUT/tokenizer.json's text, checked (see the module); None when the run has none."""
+    path = Path(run_out) / TOKENIZER
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_file():
+        raise ConvertError(f"{path} is not a regular file; the trainer writes its tokenizer there as a file")
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise ConvertError(f"{path} is {path.stat().st_size:,} bytes, more than the {MAX_TOKENIZER_BYTES:,} a "
+                           "tokenizer.json can be")
+    with open(path, "rb") as f:  # bounded even if the file grew since it was measured
+        data = f.read(MAX_TOKENIZER_BYTES + 1)
+    try:
+        text = data.decode("utf-8")
+        ids = parse_tokenizer(text).get_vocab_size(with_added_tokens=True)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConvertError(f"{path} is not a tokenizers JSON: {(str(e).splitlines() or ['unreadable'])[0]}") from None
+    if ids > vocab_size:
+        raise ConvertError(f"{path} has {ids:,} token ids but the model's embedding has {vocab_size:,} rows: it is "
+                           "not this run's tokenizer")
+    return text
+
+
+def parse_tokenizer(text: str) -> Any:
+    """The `tokenizers.Tokenizer` of a tokenizer.json's text; ValueError (one line) when it is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # the Rust parser's own error type
+        raise ValueError((str(e).splitlines() or [type(e).__name__])[0]) from None
+
+
+def tokenizer_files(text: str, max_seq_len: int) -> dict[str, bytes]:
+    """{file name: bytes} to write beside the weights: the tokenizer.json as it was, and its tokenizer_config.json."""
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len,
+                              "clean_up_tokenization_spaces": False}
+    special = {t.get("content") for t in json.loads(text).get("added_tokens") or () if t.get("special")}
+    eos = next((name for name in EOS_NAMES if name in special), None)
+    if eos is not None:
+        config["eos_token"] = eos
+    return {TOKENIZER: text.encode("utf-8"), TOKENIZER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
