@@ -16,6 +16,7 @@ from minidist.debug.host_reads import count_run
 from minidist.train import loop as train
 from minidist.train.config import ConfigError, TrainConfig, parse_config
 from minidist.train.dashboard import Dashboard, scalars
+from minidist.train.profiling import StepProfiler
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -41,10 +42,15 @@ def f32(value: float) -> float:
 
 
 def test_events_equal_metrics_and_a_resume_appends(tmp_path):
+    # --profile-steps 1:3 too: the run stopped after step 2 writes the step it profiled (1), the resumed one 2 and 3
     out = tmp_path / "run"
-    train.train(config(out, stop_after=2, ckpt_every=2))
+    train.train(config(out, stop_after=2, ckpt_every=2, profile_steps="1:3"))
     first_files = sorted((out / "tensorboard").iterdir())
-    train.train(config(out, ckpt_every=2, resume=True))
+    train.train(config(out, ckpt_every=2, resume=True, profile_steps="1:3"))
+    traces = {p.name: json.loads(p.read_text())["traceEvents"] for p in (out / "profile").iterdir()}
+    assert sorted(traces) == ["rank0_steps1-1.json", "rank0_steps2-3.json"]
+    assert {e["name"] for e in traces["rank0_steps2-3.json"]} >= {"step 2", "step 3", "forward", "optimizer_step"}
+    assert "step 1" not in {e["name"] for e in traces["rank0_steps2-3.json"]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     got = events(out)
@@ -96,6 +102,13 @@ def test_bad_profile_steps_are_one_line(spec, words):
         parse_config(["--steps", "4", f"--profile-steps={spec}"])
     assert words in str(info.value) and "\n" not in str(info.value)
     assert parse_config(["--steps", "4", "--profile-steps", "0:3"]).profile_steps == "0:3"
+
+
+def test_a_resume_after_the_profiled_steps_says_so():
+    profiler = StepProfiler("1:2", steps=10, out=Path("unused"), rank=0, device=torch.device("cpu"))
+    assert profiler.skipped(start_step=2) is None  # step 2 is still to run
+    assert "ran before step 3" in profiler.skipped(start_step=3) and "nothing is profiled" in profiler.skipped(3)
+    assert StepProfiler(None, 10, Path("unused"), 0, torch.device("cpu")).skipped(5) is None
 
 
 def _rank_run(out: str) -> dict:

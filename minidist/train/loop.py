@@ -46,7 +46,7 @@ from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entr
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
-from minidist.train import metrics, out_files, run_dir, run_state
+from minidist.train import metrics, out_files, profiling, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
 from minidist.train.config import (
     ConfigError,
@@ -187,20 +187,21 @@ def resume(run: Run) -> None:
 
 
 def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,
-               grad_clip: float, autocast: Callable = contextlib.nullcontext, healthy: torch.Tensor | None = None
+               grad_clip: float, autocast: Callable = contextlib.nullcontext, healthy: torch.Tensor | None = None,
+               label: Callable[[str], contextlib.AbstractContextManager] = profiling.no_label
                ) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's micro-batches of one global batch; returns (losses, grad norm before
     clipping, healthy), all on the device: nothing here waits for it. `healthy` (a bool tensor) stays True while
     every loss and gradient norm so far is finite; once False, the update of this step and of every later one is
     skipped on the device (`ParallelModel.step`), so the weights stay those before the first non-finite step until
-    the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does)."""
-    # the ranges name the phases in a --profile-steps trace (minidist.train.profiling); no cost outside one
-    with torch.profiler.record_function("forward_backward"):
+    the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does).
+    `label(name)` opens a range of a --profile-steps trace around each phase (minidist.train.profiling)."""
+    with label("forward_backward"):
         losses = parallel.forward_backward_on_device(batches, autocast)
-    with torch.profiler.record_function("clip_grad_norm"):  # waits for the gradients' reduction
+    with label("clip_grad_norm"):  # where data parallelism waits for its gradient buckets
         grad_norm = parallel.clip_grad_norm_(grad_clip)
     healthy = health.finite_on_device(losses.loss, grad_norm, healthy)
-    with torch.profiler.record_function("optimizer_step"):
+    with label("optimizer_step"):
         parallel.step(apply=healthy)
     return losses, grad_norm, healthy
 
@@ -255,8 +256,8 @@ def train_loop(run: Run) -> dict[str, Any]:
     pending: list[dict[str, Any]] = []  # the window's steps, their figures still on the device
     healthy, started = None, time.perf_counter()
     for step in range(run.start_step, run_state.end_step(cfg)):  # --stop-after ends it early
-        with profiler.step(step, run.autocast) as autocast:
-            figures, healthy = run_step(run, step, autocast, healthy)
+        with profiler.step(step, run.autocast) as (autocast, label):  # labelled only in --profile-steps
+            figures, healthy = run_step(run, step, healthy, autocast, label)
         pending.append(figures)
         clock.tick()
         logging = _is_due(step, cfg.log_every, last) or step in (run.start_step, stopping)
@@ -290,13 +291,13 @@ def train_loop(run: Run) -> dict[str, Any]:
     return finish(run, summary, clock, meter)
 
 
-def run_step(run: Run, step: int, autocast: Callable, healthy: torch.Tensor | None
+def run_step(run: Run, step: int, healthy: torch.Tensor | None, autocast: Callable, label: Callable
              ) -> tuple[dict[str, Any], torch.Tensor]:
     """Step `step`'s work, queued: its learning rate and its figures still on the device, and `healthy`."""
     lr = run.schedule.apply(run.parallel.optimizer, step)
     batches = local_batches(run.sampler, step, run.topo, run.cfg.microbatches, run.device)
     losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=run.cfg.grad_clip,
-                                            autocast=autocast, healthy=healthy)
+                                            autocast=autocast, healthy=healthy, label=label)
     run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
     inject_fault(run, step)
     device = {"loss": losses.loss, "grad_norm": grad_norm}

@@ -18,6 +18,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -46,6 +47,11 @@ def parse_profile_steps(text: str, steps: int) -> tuple[int, int]:
 
 def activities(device: torch.device) -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+
+
+def no_label(name: str) -> contextlib.AbstractContextManager:
+    """A step's phase outside a profiled step: nothing (not even a profiler call: no dispatched operator)."""
+    return contextlib.nullcontext()
 
 
 def labelled(autocast: Autocast, name: str) -> Autocast:
@@ -79,16 +85,17 @@ class StepProfiler:
                 "this run resumes; nothing is profiled")
 
     @contextlib.contextmanager
-    def step(self, step: int, autocast: Autocast) -> Iterator[Autocast]:
-        """Around one step's work: yields the autocast the step's forwards use (labelled when profiled)."""
+    def step(self, step: int, autocast: Autocast) -> Iterator[tuple[Autocast, Callable[[str], Any]]]:
+        """Around one step's work: yields the autocast the step's forwards use and the label of its phases, both
+        opening profiler ranges in a profiled step only."""
         if self.range is None or not self.range[0] <= step <= self.range[1]:
-            yield autocast
+            yield autocast, no_label
             return
         if self.profiler is None:
             self.profiler, self.first = profile(activities=activities(self.device)), step
             self.profiler.start()
         with record_function(f"step {step}"):
-            yield labelled(autocast, "forward")
+            yield labelled(autocast, "forward"), record_function
         self.last = step
         if step == self.range[1]:
             self.close()
