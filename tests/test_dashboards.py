@@ -14,11 +14,10 @@ import torch
 from minidist.comm.launch import run_ranks
 from minidist.debug.host_reads import count_run
 from minidist.train import loop as train
+from minidist.train import run_dir
 from minidist.train.config import ConfigError, TrainConfig, parse_config
 from minidist.train.dashboard import Dashboard, scalars
 from minidist.train.profiling import StepProfiler
-
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 
@@ -32,6 +31,7 @@ def config(out, **changes) -> TrainConfig:
 
 def events(out: Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} as TensorBoard shows them (its reader: purges applied, every scalar kept)."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     reader = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     reader.Reload()
     return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
@@ -143,3 +143,20 @@ def test_a_trace_per_rank_and_events_from_rank_0(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for rank in range(2):
         assert got[f"memory/peak_bytes/rank{rank}"] == [(r["step"], f32(r["peak_mem_bytes"][rank])) for r in rows]
+
+
+def test_overwrite_removes_the_dashboards_and_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "profile").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1796303822.vm.768.0").write_bytes(b"")
+    (out / "profile" / "rank0_steps1-2.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds tensorboard, profile but no run"):  # someone's files: kept
+        run_dir.check_out(config(out))
+    (out / "run.json").write_text("{}")
+    (out / "tensorboard" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes.txt, which the trainer did not write"):
+        run_dir.check_out(config(out, overwrite=True))
+    (out / "tensorboard" / "notes.txt").unlink()
+    run_dir.check_out(config(out, overwrite=True))
+    assert set(run_dir.clear_run(out)) == {"run.json", "tensorboard", "profile"} and not any(out.iterdir())
