@@ -3,6 +3,7 @@ own reader, equal to metrics.jsonl's values; a resumed run appends without a dup
 without the package), and --profile-steps writes one Chrome/Perfetto trace per rank of the steps asked for, where a
 gloo all-reduce runs beside the backward (one 2-rank launch, which also counts host reads: neither adds one)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -42,15 +43,10 @@ def f32(value: float) -> float:
 
 
 def test_events_equal_metrics_and_a_resume_appends(tmp_path):
-    # --profile-steps 1:3 too: the run stopped after step 2 writes the step it profiled (1), the resumed one 2 and 3
     out = tmp_path / "run"
-    train.train(config(out, stop_after=2, ckpt_every=2, profile_steps="1:3"))
+    train.train(config(out, stop_after=2, ckpt_every=2))
     first_files = sorted((out / "tensorboard").iterdir())
-    train.train(config(out, ckpt_every=2, resume=True, profile_steps="1:3"))
-    traces = {p.name: json.loads(p.read_text())["traceEvents"] for p in (out / "profile").iterdir()}
-    assert sorted(traces) == ["rank0_steps1-1.json", "rank0_steps2-3.json"]
-    assert {e["name"] for e in traces["rank0_steps2-3.json"]} >= {"step 2", "step 3", "forward", "optimizer_step"}
-    assert "step 1" not in {e["name"] for e in traces["rank0_steps2-3.json"]}
+    train.train(config(out, ckpt_every=2, resume=True))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     got = events(out)
@@ -112,25 +108,30 @@ def test_a_resume_after_the_profiled_steps_says_so():
 
 
 def _rank_run(out: str) -> dict:
-    """dp 2, both dashboards on, small buckets (the backward launches many all-reduces); host reads counted."""
+    """dp 2, both dashboards on, small buckets (the backward launches many all-reduces); host reads counted. The run
+    stops after 3 steps (inside --profile-steps 1:3: it writes steps 1-2's trace) and resumes (step 3's trace)."""
     torch.set_num_threads(1)
-    cfg = config(out, microbatches=2, steps=3, eval_every=0, check_every=0, log_every=100, dp=2, bucket_mb=0.02,
-                 profile_steps="1:2")
-    return count_run(cfg, ops=False)
+    cfg = config(out, microbatches=2, steps=4, eval_every=0, check_every=0, log_every=100, dp=2, bucket_mb=0.02,
+                 profile_steps="1:3")
+    counts = count_run(dataclasses.replace(cfg, stop_after=3), ops=False)
+    train.train(dataclasses.replace(cfg, resume=True))
+    return counts
 
 
 def test_a_trace_per_rank_and_events_from_rank_0(tmp_path):
     ranks = run_ranks(_rank_run, 2, str(tmp_path), timeout=120, threads_per_rank=1)
-    for counts in ranks:  # a step that does not log still reads at most one value (tests/test_host_reads.py)
-        quiet = [sum(counts["sites"][s].values()) for s in counts["reads"] if s not in counts["logging"]]
-        assert quiet and all(n <= 1 for n in quiet), counts["sites"]
-    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0_steps1-2.json", "rank1_steps1-2.json"]
+    for counts in ranks:  # step 1 does not log, and still reads at most one value (tests/test_host_reads.py)
+        assert sum(counts["sites"][1].values()) <= 1 and 1 not in counts["logging"], counts["sites"]
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        "rank0_steps1-2.json", "rank0_steps3-3.json", "rank1_steps1-2.json", "rank1_steps3-3.json"]
     for rank in range(2):
+        resumed = json.loads((tmp_path / "profile" / f"rank{rank}_steps3-3.json").read_text())["traceEvents"]
+        assert {"step 3", "forward", "optimizer_step"} <= {e["name"] for e in resumed}
         trace = json.loads((tmp_path / "profile" / f"rank{rank}_steps1-2.json").read_text())
         ranges = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
         names = {e["name"] for e in ranges}
         assert {"step 1", "step 2", "forward", "forward_backward", "clip_grad_norm", "optimizer_step"} <= names
-        assert "step 0" not in names  # only the steps asked for
+        assert not {"step 0", "step 3"} & names  # only the steps asked for, that this run ran
         backward = [e for e in ranges if e["name"].startswith("autograd::engine::evaluate_function")]
         reduces = [e for e in ranges if e["name"] == "gloo:all_reduce"]
         assert backward and reduces, f"rank {rank}: no backward or no gloo all-reduce in the trace"
@@ -138,9 +139,10 @@ def test_a_trace_per_rank_and_events_from_rank_0(tmp_path):
                                                  for b in backward)]
         assert overlapping, f"rank {rank}: no all-reduce overlaps the backward"  # bucketed DP's overlap, visible
     files = list((tmp_path / "tensorboard").iterdir())
-    assert len(files) == 1  # rank 0 writes the events, every rank's memory among them
+    assert len(files) == 2  # rank 0 writes the events (a file per run), every rank's memory among them
     got = events(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for rank in range(2):
         assert got[f"memory/peak_bytes/rank{rank}"] == [(r["step"], f32(r["peak_mem_bytes"][rank])) for r in rows]
 
