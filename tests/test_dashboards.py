@@ -74,7 +74,7 @@ def test_every_figure_has_a_tag():
               "peak_mem_bytes": [10, 20], "fp8_snr_db": {"blocks.0.mlp": [30.0, 40.0]}, "val_loss": float("nan")}
     assert scalars(record) == {
         "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/aux_loss": 0.01,
-        "moe/moe_load_imbalance": 1.25, "memory/peak_bytes/rank0": 10.0, "memory/peak_bytes/rank1": 20.0,
+        "moe/load_imbalance": 1.25, "memory/peak_bytes/rank0": 10.0, "memory/peak_bytes/rank1": 20.0,
         "other/fp8_snr_db/blocks.0.mlp/0": 30.0, "other/fp8_snr_db/blocks.0.mlp/1": 40.0}  # no NaN, no step
 
 

@@ -56,7 +56,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
     for name, value in record.items():
         if name != "step":
-            add(TAGS.get(name, f"moe/{name}" if name.startswith("moe_") else f"other/{name}"), value)
+            section = f"moe/{name.removeprefix('moe_')}" if name.startswith("moe_") else f"other/{name}"
+            add(TAGS.get(name, section), value)
     return out
 
 
