@@ -3,6 +3,7 @@ own reader, equal to metrics.jsonl's values; a resumed run appends without a dup
 without the package), and --profile-steps writes one Chrome/Perfetto trace per rank of the steps asked for, where a
 gloo all-reduce runs beside the backward (one 2-rank launch, which also counts host reads: neither adds one)."""
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -105,6 +106,18 @@ def test_a_resume_after_the_profiled_steps_says_so():
     assert profiler.skipped(start_step=2) is None  # step 2 is still to run
     assert "ran before step 3" in profiler.skipped(start_step=3) and "nothing is profiled" in profiler.skipped(3)
     assert StepProfiler(None, 10, Path("unused"), 0, torch.device("cpu")).skipped(5) is None
+
+
+def test_a_step_that_fails_inside_the_range_writes_the_trace_so_far(tmp_path):
+    profiler = StepProfiler("0:3", steps=4, out=tmp_path, rank=0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="diverged"):
+        with profiler.step(0, contextlib.nullcontext) as (autocast, label):
+            with autocast(), label("forward_backward"):
+                torch.ones(2).sum()
+            raise RuntimeError("diverged")
+    assert profiler.profiler is None  # stopped: a later profiler in this process can start
+    events = json.loads((tmp_path / "profile" / "rank0_steps0-0.json").read_text())["traceEvents"]
+    assert {"step 0", "forward", "forward_backward", "aten::sum"} <= {e.get("name") for e in events}
 
 
 def _rank_run(out: str) -> dict:

@@ -94,9 +94,14 @@ class StepProfiler:
         if self.profiler is None:
             self.profiler, self.first = profile(activities=activities(self.device)), step
             self.profiler.start()
-        with record_function(f"step {step}"):
-            yield labelled(autocast, "forward"), record_function
         self.last = step
+        try:
+            with record_function(f"step {step}"):
+                yield labelled(autocast, "forward"), record_function
+        except BaseException:
+            with contextlib.suppress(Exception):  # the trace up to the failure, if it can be had; the failure wins
+                self.close()
+            raise
         if step == self.range[1]:
             self.close()
 
