@@ -286,7 +286,9 @@ def _check_tokenizer_beside_weights(run, tmp_path, capsys) -> None:
     text = "the lazy fox jumps over five brown jugs"
     assert loaded(text)["input_ids"] == tok.encode(text).ids
     assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == tok.token_to_id("<|endoftext|>")
-    assert LlamaForCausalLM.from_pretrained(tmp_path / "hf_tok").config.vocab_size >= tok.get_vocab_size()
+    hf_config = LlamaForCausalLM.from_pretrained(tmp_path / "hf_tok").config
+    assert hf_config.vocab_size >= tok.get_vocab_size() and hf_config.bos_token_id is None
+    assert hf_config.eos_token_id == tok.token_to_id("<|endoftext|>")  # not Llama 2's default 2
 
     capsys.readouterr()
     for text, words in (("{not json", "is not a tokenizers JSON"), (json.dumps({"model": 3}), "not a tokenizers")):

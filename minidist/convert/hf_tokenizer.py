@@ -5,7 +5,8 @@ The trainer writes its tokenizer as RUN_OUT/tokenizer.json (a Hugging Face `toke
 too). to-hf reads it as untrusted input (a regular file, at most MAX_TOKENIZER_BYTES, parsed by the `tokenizers`
 package: JSON, nothing executes), checks that every id it can produce is a row of the model's embedding, and
 writes it unchanged with a minimal `tokenizer_config.json` (the fast tokenizer's class, the model's context length,
-the end-of-text token when the tokenizer has one of the usual names as a special token). A run without one (older
+the end-of-text token when the tokenizer has one of the usual names as a special token; config.json's
+`eos_token_id` then names it, and `bos_token_id` is null: the trainer adds none). A run without one (older
 than its tokenizer file) gets the weights only, and to-hf says so in one line: its tokens were bytes 0..255.
 """
 
@@ -57,12 +58,24 @@ def parse_tokenizer(text: str) -> Any:
         raise ValueError((str(e).splitlines() or [type(e).__name__])[0]) from None
 
 
+def end_of_text(text: str) -> tuple[str, int] | None:
+    """(token, id) of the tokenizer's end-of-text special token (the first of EOS_NAMES it holds), or None."""
+    special = {t.get("content"): t.get("id") for t in json.loads(text).get("added_tokens") or () if t.get("special")}
+    return next(((name, special[name]) for name in EOS_NAMES if isinstance(special.get(name), int)), None)
+
+
 def tokenizer_files(text: str, max_seq_len: int) -> dict[str, bytes]:
     """{file name: bytes} to write beside the weights: the tokenizer.json as it was, and its tokenizer_config.json."""
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len,
                               "clean_up_tokenization_spaces": False}
-    special = {t.get("content") for t in json.loads(text).get("added_tokens") or () if t.get("special")}
-    eos = next((name for name in EOS_NAMES if name in special), None)
+    eos = end_of_text(text)
     if eos is not None:
-        config["eos_token"] = eos
+        config["eos_token"] = eos[0]
     return {TOKENIZER: text.encode("utf-8"), TOKENIZER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def special_ids(text: str) -> dict[str, int | None]:
+    """config.json's token ids for this tokenizer: its end of text, and no beginning-of-text token (the trainer adds
+    none). Without them transformers' Llama would assume Llama 2's 1 and 2, ids this tokenizer gives other tokens."""
+    eos = end_of_text(text)
+    return {"bos_token_id": None, "eos_token_id": eos[1] if eos is not None else None}

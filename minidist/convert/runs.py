@@ -96,7 +96,10 @@ def to_hf(run_out: Path, hf_dir: Path, note: Callable[[str], None] = print) -> P
     except ValueError as e:
         raise ConvertError(str(e)) from None
     config, hf_state = to_hf_state(cfg, state)
-    extra = hf_tokenizer.tokenizer_files(tokenizer, cfg.max_seq_len) if tokenizer is not None else {}
+    extra = {}
+    if tokenizer is not None:
+        extra = hf_tokenizer.tokenizer_files(tokenizer, cfg.max_seq_len)
+        config.update(hf_tokenizer.special_ids(tokenizer))
     hf_files.write_hf_dir(hf_dir, config, hf_state, extra)
     if tokenizer is None:
         note(f"note: {Path(run_out) / hf_tokenizer.TOKENIZER} is missing (a run older than the trainer's tokenizer "
