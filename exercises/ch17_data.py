@@ -1,5 +1,5 @@
-"""Chapter 17 exercises: one merge step of byte-pair encoding, the document mask of a packed batch, the row
-arithmetic of a sharded token reader, and the attention work a document mask leaves.
+"""Chapter 17 exercises: one merge step of byte-pair encoding, the document mask of a packed batch, and the row
+arithmetic of a sharded token reader.
 
 Grade your answers with `make grade CH=17`. The grader checks:
   - most_frequent_pair / merge_pair: pairs counted over a word-frequency table (a word counts as often as it
@@ -9,9 +9,7 @@ Grade your answers with `make grade CH=17`. The grader checks:
   - document_ids_and_positions / document_causal_mask: an end-of-document token (EOD) is the LAST token of the
     document it closes; EOD at position 0, at the end, twice in a row, or absent; every row of a batch on its own;
   - shard_pieces: a window inside one shard, starting or ending exactly on a boundary (no empty pieces), spanning
-    three shards, skipping empty shards, and a window past the end refused with a ValueError;
-  - attended_pairs: the (query, key) pairs a document-causal mask keeps, from the documents' lengths, equal to a
-    brute-force count of the mask's True entries.
+    three shards, skipping empty shards, and a window past the end refused with a ValueError.
 """
 
 import torch
@@ -91,16 +89,3 @@ def shard_pieces(shard_tokens: list[int], start: int, length: int) -> list[tuple
     """
     raise NotImplementedError
 
-
-def attended_pairs(tokens: torch.Tensor, eod_id: int) -> int:
-    """How many (query, key) pairs a document-causal mask keeps over a packed batch [B, T]: the attention work.
-
-    Document-causal attention lets each token of a document of length L attend to itself and the earlier tokens of
-    its document: L·(L + 1)/2 pairs per document; a causal mask without documents keeps T·(T + 1)/2 per row.
-    Compute the count from the documents' lengths in each row (EOD is the last token of the document it closes; a
-    row's last document may be unclosed), without building the T × T mask: at T = 128k the mask has 1.6·10^10
-    entries.
-
-    Hints: the lengths are the gaps between the ends of documents (each EOD's index + 1, and T).
-    """
-    raise NotImplementedError

@@ -1,9 +1,9 @@
-"""Grade chapter 17's exercises: one BPE merge step, the document mask of a packed batch, the shard reader's row
-arithmetic, and the attention pairs a document mask keeps.
+"""Grade chapter 17's exercises: one BPE merge step, the document mask of a packed batch, and the shard reader's
+row arithmetic.
 
 `pytest tests/exercises -k ch17` grades solutions/ (the default); add `--impl exercises` to grade your own answers
 (`make grade CH=17`). The oracles: Hugging Face `tokenizers`' BPE trainer (a training loop built from your merge
-step must learn its merges), brute-force loops written here (document ids, the mask, the pairs), per-document
+step must learn its merges), brute-force loops written here (document ids, the mask), per-document
 attention (the mask must make packed attention equal to attending each document alone), and numpy slices of the
 concatenated shards.
 """
@@ -276,36 +276,3 @@ def test_ch17_shard_pieces_refuses_a_window_outside(impl: str, start: int, lengt
     pytest.fail(f"shard_pieces([4, 3, 5], start={start}, length={length}) returned {got}: the 12 tokens do not hold "
                 "that window; raise ValueError (a short read here would train on a truncated row)", pytrace=False)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 4. The attention pairs a document mask keeps
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", list(ROWS))
-def test_ch17_attended_pairs(impl: str, case: str) -> None:
-    fn = load(impl, MODULE, "attended_pairs")
-    row = ROWS[case]
-    want = int(_reference_mask(_reference_ids_positions(row)[0]).sum())
-    got = fn(torch.tensor([row]), EOD)
-    t = len(row)
-    ends = [i + 1 for i, x in enumerate(row) if x == EOD]
-    lengths = [b - a for a, b in zip([0, *ends], ends)]
-    hint = ""
-    if got == t * (t + 1) // 2 and want != got:
-        hint = " — the documents are ignored: the plain causal count T(T+1)/2"
-    elif got == sum(n * n for n in lengths) + (t - sum(lengths)) ** 2:
-        hint = " — whole blocks L²: causal keeps L(L+1)/2 per document"
-    elif got == sum(n * (n + 1) // 2 for n in lengths) and want != got:
-        hint = " — the row's last document is not closed by an EOD, but it is attended too"
-    assert got == want, f"{case}: tokens {row}: {got} pairs, expected {want} (the mask's True entries){hint}"
-
-
-def test_ch17_attended_pairs_over_a_batch(impl: str) -> None:
-    fn = load(impl, MODULE, "attended_pairs")
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 12, (3, 64), generator=gen)  # EOD (9) one token in 12 on average
-    want = sum(int(_reference_mask(_reference_ids_positions(r)[0]).sum()) for r in tokens.tolist())
-    got = fn(tokens, EOD)
-    assert got == want, (f"3 random rows of 64 tokens: {got} pairs, expected {want} — each row's documents on their "
-                         "own (a document does not continue into the next row)")
