@@ -47,6 +47,8 @@ def merge_pair(words: dict[tuple[str, ...], int], pair: tuple[str, str]) -> dict
     ("a", "a", "a") becomes ("aa", "a"). Only whole symbols merge: ("xa", "b") stays as it is for the pair
     ("a", "b"). Two words may become the same sequence of symbols (("a", "b", "c") and ("ab", "c") are both
     ("ab", "c") after merging ("a", "b")): add their frequencies. Return a new dict; leave `words` unchanged.
+
+    Hints: a while loop over the index of each word, stepping by 2 after a merge and by 1 otherwise.
     """
     left, right = pair
     merged: dict[tuple[str, ...], int] = {}
@@ -94,6 +96,8 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     True where query i of row b attends key j. Within a document it is the causal (lower-triangular) mask; across
     documents it is False: block-diagonal causal (Llama 3's document mask). True means "attend", as in SDPA's
     attn_mask.
+
+    Hints: compare the ids of every query with those of every key by broadcasting ([B, T, 1] against [B, 1, T]).
     """
     t = doc_ids.shape[-1]
     causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
@@ -112,6 +116,9 @@ def shard_pieces(shard_tokens: list[int], start: int, length: int) -> list[tuple
     Raise ValueError (one line) if length < 1, start < 0, or the window runs past the last token.
 
     Example: shard_tokens [4, 3, 5], start 3, length 6 → [(0, 3, 4), (1, 0, 3), (2, 0, 2)].
+
+    Hints: walk the shards keeping the global index of each one's first token; the window's overlap with shard k is
+    an intersection of two half-open intervals, empty when its begin is not below its end.
     """
     total = sum(shard_tokens)
     if length < 1 or start < 0 or start + length > total:
