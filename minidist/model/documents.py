@@ -1,0 +1,115 @@
+"""Documents packed into one sequence, and the attention that keeps them apart (issue 28, `--doc-mask`).
+
+Training rows are cut from a stream of documents joined by an end-of-document token (`eod_id`), so one row holds
+the tail of one document, a few whole ones and the head of the next. Without a mask, a token attends to the
+documents before it in the row: text it has nothing to do with. With the document mask it sees only earlier tokens
+of its own document (block-diagonal causal attention), and its RoPE position counts from its document's start, as it
+would if the document had been run alone (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.2: "we use an
+attention mask that prevents self-attention between different documents within the same sequence").
+
+The EOD token is the LAST token of the document it closes: the id increments after it. Ids are per row and start at
+0; only equality between ids matters. The targets stay next-token targets everywhere (the EOD token's target is the
+next document's first token: the one prediction that crosses a boundary, chapter 17 discusses it).
+
+Two kernels: SDPA with a dense bool mask [B, 1, T, T] off CUDA (the CPU reference), and on CUDA flex attention
+(Dong et al. 2024, "Flex Attention: A Programming Model for Generating Optimized Attention Kernels") with a
+`BlockMask` built from the ids, which skips the tiles no document spans and never holds a T×T mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """The document index of every token of rows [..., T]: 0 from the row's start, +1 after each `eod_id` (the EOD
+    token belongs to the document it closes). int32, on the tokens' device."""
+    is_eod = (tokens == eod_id).to(torch.int32)
+    return (is_eod.cumsum(-1, dtype=torch.int32) - is_eod).to(torch.int32)
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """The position of every token within its document ([..., T] ids -> [..., T] int64): 0 at each document's first
+    token in the row (a row that starts inside a document counts from the row's start)."""
+    index = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+    starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+
+
+def document_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of rows of ids [B, T]: bool [B, 1, T, T], True where query t may see key s
+    (s <= t and the same document). Dense: for the CPU reference (and tests), never for a long sequence on a GPU."""
+    t = ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+    return (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+
+
+def document_mask_mod(ids: torch.Tensor):
+    """flex attention's mask_mod of the same mask: (batch, head, query index, key index) -> visible."""
+    def visible(b, h, q, k):
+        return (q >= k) & (ids[b, q] == ids[b, k])
+    return visible
+
+
+def attention_pairs(ids: torch.Tensor) -> int:
+    """(query, key) pairs the document mask keeps, over all rows of HOST ids [B, T]: Σ over documents of
+    l·(l+1)/2 (each document's causal triangle). Counted on the host, for MFU; the dense causal count is
+    B·T·(T+1)/2 (`dense_attention_pairs`)."""
+    if ids.device.type != "cpu":
+        raise ValueError(f"attention_pairs counts host ids (the sampler's); got ids on {ids.device}")
+    flat = ids.reshape(-1, ids.shape[-1]).long()
+    keyed = flat + (torch.arange(flat.shape[0])[:, None] * (int(flat.max()) + 1 if flat.numel() else 1))
+    lengths = torch.unique_consecutive(keyed.flatten(), return_counts=True)[1]
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def dense_attention_pairs(rows: int, seq_len: int) -> int:
+    """(query, key) pairs of the plain causal mask: seq_len·(seq_len+1)/2 per row."""
+    return rows * seq_len * (seq_len + 1) // 2
+
+
+@dataclass
+class Documents:
+    """What attention needs to keep documents apart in one forward: the ids [B, T] of the whole sequence in order
+    (under context parallelism every rank holds all of them: the tiny int tensor is cut from the micro-batch, and a
+    rank's keys are indexed by their global positions), and on CUDA the flex `BlockMask` built once per forward."""
+
+    ids: torch.Tensor
+    block_mask: object | None = None
+
+    @classmethod
+    def build(cls, ids: torch.Tensor) -> Documents:
+        if ids.dim() != 2:
+            raise ValueError(f"document ids must be [batch, seq], got shape {tuple(ids.shape)}")
+        if ids.device.type != "cuda":
+            return cls(ids)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, t = ids.shape
+        return cls(ids, create_block_mask(document_mask_mod(ids), b, None, t, t, device=ids.device))
+
+
+_compiled_flex = None
+
+
+def _flex():
+    """flex attention compiled once (eager flex is a slow reference; on CUDA it is meant to run compiled)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
+                       scale: float | None = None) -> torch.Tensor:
+    """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`)."""
+    gqa = q.shape[1] != k.shape[1]
+    if docs.block_mask is not None:
+        return _flex()(q, k, v, block_mask=docs.block_mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.ids), scale=scale, enable_gqa=gqa)
