@@ -38,11 +38,13 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
-                        scale: float | None = None, work: Work | None = None) -> torch.Tensor:
-    """Causal attention of this rank's queries to the all-gathered keys and values; shapes as `ring_attention`."""
+                        scale: float | None = None, work: Work | None = None, docs: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """Causal attention of this rank's queries to the all-gathered keys and values; shapes and `docs` as
+    `ring_attention`."""
     cp = comm.size
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
     return blockwise_attention(q, k_all, v_all, scale, q_spans=shard_spans(seq_len, comm.rank, cp, layout),
-                               k_spans=key_spans, work=work)
+                               k_spans=key_spans, work=work, docs=docs)
