@@ -89,3 +89,12 @@ def test_packed_row_equals_documents_alone(overrides):
         plain = model(tokens)
     assert (packed - plain).abs().max() > 1e-2  # the mask does something (documents after the first differ)
     torch.testing.assert_close(packed[:, :7], plain[:, :7])  # row 0's first document: nothing before it
+
+
+def test_bad_document_ids_are_one_line_errors():
+    model = build_model(get_preset("tiny"), seed=0)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="document ids for 1 rows, but the batch has 2"):
+        model(tokens, docs=torch.zeros(1, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"must be \[batch, seq\]"):
+        model(tokens, docs=torch.zeros(2, 8, 1, dtype=torch.int32))

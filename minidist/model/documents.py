@@ -62,7 +62,8 @@ def attention_pairs(ids: torch.Tensor) -> int:
     if ids.device.type != "cpu":
         raise ValueError(f"attention_pairs counts host ids (the sampler's); got ids on {ids.device}")
     flat = ids.reshape(-1, ids.shape[-1]).long()
-    keyed = flat + (torch.arange(flat.shape[0])[:, None] * (int(flat.max()) + 1 if flat.numel() else 1))
+    rows = torch.arange(flat.shape[0], device="cpu")[:, None]
+    keyed = flat + rows * (int(flat.max()) + 1 if flat.numel() else 1)  # a document never spans two rows
     lengths = torch.unique_consecutive(keyed.flatten(), return_counts=True)[1]
     return int((lengths * (lengths + 1) // 2).sum())
 

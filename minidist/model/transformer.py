@@ -95,6 +95,8 @@ class Transformer(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
+        if docs is not None and docs.shape[0] != x.shape[0]:
+            raise ValueError(f"document ids for {docs.shape[0]} rows, but the batch has {x.shape[0]}")
         documents = Documents.build(docs) if docs is not None else None  # one mask for every block
         for i in range(len(self.blocks)) if blocks is None else blocks:
             x = self.blocks[i](x, rope, documents)
