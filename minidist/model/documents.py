@@ -90,27 +90,30 @@ class Documents:
             return cls(ids)
         from torch.nn.attention.flex_attention import create_block_mask
 
-        b, t = ids.shape
-        return cls(ids, create_block_mask(document_mask_mod(ids), b, None, t, t, device=ids.device))
+        b, t = ids.shape  # _compile: the tiles are decided block by block, never from a dense [B, T, T] grid
+        return cls(ids, create_block_mask(document_mask_mod(ids), b, None, t, t, device=ids.device, _compile=True))
 
 
 _compiled_flex = None
 
 
-def _flex():
-    """flex attention compiled once (eager flex is a slow reference; on CUDA it is meant to run compiled)."""
+def _flex(device_type: str):
+    """flex attention, compiled once on CUDA (eager flex is a slow reference, which is what a CPU test runs)."""
     global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
+    if device_type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
                        scale: float | None = None) -> torch.Tensor:
-    """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`)."""
+    """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`):
+    flex attention where `docs` holds a BlockMask (CUDA), else SDPA with the dense bool mask."""
     gqa = q.shape[1] != k.shape[1]
     if docs.block_mask is not None:
-        return _flex()(q, k, v, block_mask=docs.block_mask, scale=scale, enable_gqa=gqa)
+        return _flex(q.device.type)(q, k, v, block_mask=docs.block_mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.ids), scale=scale, enable_gqa=gqa)
