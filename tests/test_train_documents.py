@@ -78,11 +78,26 @@ def reference(root) -> list[dict]:
     return trainer_parity.single_process_records(str(root / "masked"), config)
 
 
+@pytest.fixture(scope="module")
+def step_flops(root) -> dict[int, float]:
+    """Each step's model FLOPs with the attention pairs its documents keep, counted over the global batch."""
+    cfg = config(str(root / "masked"))
+    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes)
+    sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
+    eod = train.end_of_document_id(corpus)
+    return {step: flops.step_flops(model_config(cfg), cfg.batch_size * cfg.seq_len,
+                                   attention_pairs(document_ids(sampler.batch(step)[0], eod)))
+            for step in range(cfg.steps)}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_logs_the_single_process_run(name, results, reference) -> None:
-    trainer_parity.assert_logs_match(name, results[0][name]["records"], reference)
+def test_layout_logs_the_single_process_run(name, results, reference, step_flops) -> None:
+    records = results[0][name]["records"]
+    trainer_parity.assert_logs_match(name, records, reference)
     for r in results:
         assert r[name]["losses"] == results[0][name]["losses"]
+    for record in records:  # MFU from the pairs of the whole global batch (dp ranks sum their own rows' counts)
+        assert record["mfu"] == pytest.approx(step_flops[record["step"]] / record["step_s"] / (2 * 1e12), rel=1e-9)
 
 
 def test_first_loss_is_each_document_alone(root, reference) -> None:
@@ -104,14 +119,11 @@ def test_first_loss_is_each_document_alone(root, reference) -> None:
     assert abs(plain[0]["loss"] - reference[0]["loss"]) > 1e-3
 
 
-def test_mfu_counts_the_attention_kept(root, reference) -> None:
+def test_mfu_counts_the_attention_kept(root, reference, step_flops) -> None:
     """The logged MFU of a --doc-mask step uses the pairs its documents keep, not the causal T·(T+1)/2."""
     cfg = config(str(root / "masked"))
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes)
-    mcfg, eod = model_config(cfg), train.end_of_document_id(corpus)
-    sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
+    causal = flops.step_flops(model_config(cfg), cfg.batch_size * cfg.seq_len,
+                              cfg.batch_size * cfg.seq_len * (cfg.seq_len + 1) // 2)
     for record in reference:
-        pairs = attention_pairs(document_ids(sampler.batch(record["step"])[0], eod))
-        assert pairs < cfg.batch_size * cfg.seq_len * (cfg.seq_len + 1) // 2
-        done = flops.step_flops(mcfg, cfg.batch_size * cfg.seq_len, pairs)
-        assert record["mfu"] == pytest.approx(done / record["step_s"] / cfg.peak_flops, rel=1e-9)
+        assert step_flops[record["step"]] < causal
+        assert record["mfu"] == pytest.approx(step_flops[record["step"]] / record["step_s"] / cfg.peak_flops, rel=1e-9)
