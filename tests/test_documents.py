@@ -98,3 +98,33 @@ def test_bad_document_ids_are_one_line_errors():
         model(tokens, docs=torch.zeros(1, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"must be \[batch, seq\]"):
         model(tokens, docs=torch.zeros(2, 8, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_blockwise_context_parallel_kernel_keeps_documents_apart_in_fp64(rank):
+    """The kernel of ring and all-gather attention with document ids: one zig-zag rank's query chunks against the
+    keys of both ranks in shard order (what the all-gather hands over, and the ring's blocks one by one) equal the
+    rows of full attention under the dense document mask, forward and backward, to fp64 rounding. Causality comes
+    from the chunks' global positions, the document condition from the whole sequence's ids."""
+    from minidist.parallel.cp.blockwise import blockwise_attention
+    from minidist.parallel.cp.sharding import shard_spans
+
+    g = torch.Generator().manual_seed(rank)
+    t, cp = 24, 2
+    tokens = torch.ones(2, t, dtype=torch.long)
+    tokens[0, [3, 10, 17]] = tokens[1, [7, 8, 20]] = EOD  # documents across the 4 chunks of 6 (an empty one too)
+    ids = document_ids(tokens, EOD)
+    q = torch.randn(2, 4, t, 6, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(2, 2, t, 6, dtype=torch.float64, generator=g).requires_grad_()
+    v = torch.randn(2, 2, t, 6, dtype=torch.float64, generator=g).requires_grad_()
+    q_spans = shard_spans(t, rank, cp, "zigzag")
+    k_spans = [span for r in range(cp) for span in shard_spans(t, r, cp, "zigzag")]
+    mine, keys = [i for s in q_spans for i in s], [i for s in k_spans for i in s]
+    full = document_attention(q, k, v, Documents(ids))[:, :, mine]
+    grad = torch.randn(full.shape, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad((full * grad).sum(), (q, k, v))
+    out = blockwise_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], q_spans=q_spans, k_spans=k_spans,
+                              docs=ids)
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-13)
+    for got, ref in zip(torch.autograd.grad((out * grad).sum(), (q, k, v)), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)

@@ -45,7 +45,8 @@ Partial = tuple[torch.Tensor, torch.Tensor]  # (output [B, H, Tq, d_v], log-sum-
 
 @dataclass
 class Work:
-    """Unmasked (query, key) position pairs a rank scored in its forwards: the causal mask's share of the work."""
+    """Unmasked (query, key) position pairs a rank scored in its forwards: the causal mask's share of the work
+    (with document ids, the causal count still: the pairs a document mask also hides are scored, then masked)."""
 
     scores: int = 0
 
