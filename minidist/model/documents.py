@@ -4,8 +4,8 @@ Training rows are cut from a stream of documents joined by an end-of-document to
 the tail of one document, a few whole ones and the head of the next. Without a mask, a token attends to the
 documents before it in the row: text it has nothing to do with. With the document mask it sees only earlier tokens
 of its own document (block-diagonal causal attention), and its RoPE position counts from its document's start, as it
-would if the document had been run alone (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.2: "we use an
-attention mask that prevents self-attention between different documents within the same sequence").
+would if the document had been run alone. Llama 3 trains with such a mask (Dubey et al. 2024, "The Llama 3 Herd of
+Models", §3.2: attention between documents of one sequence is masked, which mattered most for long sequences).
 
 The EOD token is the LAST token of the document it closes: the id increments after it. Ids are per row and start at
 0; only equality between ids matters. The targets stay next-token targets everywhere (the EOD token's target is the
@@ -18,6 +18,7 @@ Two kernels: SDPA with a dense bool mask [B, 1, T, T] off CUDA (the CPU referenc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """The document index of every token of rows [..., T]: 0 from the row's start, +1 after each `eod_id` (the EOD
     token belongs to the document it closes). int32, on the tokens' device."""
     is_eod = (tokens == eod_id).to(torch.int32)
-    return (is_eod.cumsum(-1, dtype=torch.int32) - is_eod).to(torch.int32)
+    return is_eod.cumsum(-1, dtype=torch.int32) - is_eod
 
 
 def document_positions(ids: torch.Tensor) -> torch.Tensor:
@@ -48,9 +49,9 @@ def document_mask(ids: torch.Tensor) -> torch.Tensor:
     return (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
 
 
-def document_mask_mod(ids: torch.Tensor):
+def document_mask_mod(ids: torch.Tensor) -> Callable[..., torch.Tensor]:
     """flex attention's mask_mod of the same mask: (batch, head, query index, key index) -> visible."""
-    def visible(b, h, q, k):
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return (q >= k) & (ids[b, q] == ids[b, k])
     return visible
 
@@ -97,7 +98,7 @@ class Documents:
 _compiled_flex = None
 
 
-def _flex(device_type: str):
+def _flex(device_type: str) -> Callable[..., torch.Tensor]:
     """flex attention, compiled once on CUDA (eager flex is a slow reference, which is what a CPU test runs)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
