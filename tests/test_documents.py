@@ -48,10 +48,8 @@ def test_mask_by_hand():
 def test_attention_pairs():
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]])
     # documents of 3, 2, 1, 2 tokens in row 0 (6 + 3 + 1 + 3), of 1 and 7 in row 1 (1 + 28)
-    assert attention_pairs(ids) == 13 + 29 == int(document_mask(ids).sum())
-    assert attention_pairs(torch.zeros(2, 8, dtype=torch.int32)) == dense_attention_pairs(2, 8) == 72
-    with pytest.raises(ValueError, match="host ids"):
-        attention_pairs(torch.zeros(1, 2, device="meta"))
+    assert int(attention_pairs(ids)) == 13 + 29 == int(document_mask(ids).sum())
+    assert int(attention_pairs(torch.zeros(2, 8, dtype=torch.int32))) == dense_attention_pairs(2, 8) == 72
 
 
 def test_flex_mask_mod_equals_sdpa():

@@ -86,7 +86,7 @@ def step_flops(root) -> dict[int, float]:
     sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
     eod = train.end_of_document_id(corpus)
     return {step: flops.step_flops(model_config(cfg), cfg.batch_size * cfg.seq_len,
-                                   attention_pairs(document_ids(sampler.batch(step)[0], eod)))
+                                   int(attention_pairs(document_ids(sampler.batch(step)[0], eod))))
             for step in range(cfg.steps)}
 
 

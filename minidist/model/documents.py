@@ -56,17 +56,12 @@ def document_mask_mod(ids: torch.Tensor) -> Callable[..., torch.Tensor]:
     return visible
 
 
-def attention_pairs(ids: torch.Tensor) -> int:
-    """(query, key) pairs the document mask keeps, over all rows of HOST ids [B, T]: Σ over documents of
-    l·(l+1)/2 (each document's causal triangle). Counted on the host, for MFU; the dense causal count is
-    B·T·(T+1)/2 (`dense_attention_pairs`)."""
-    if ids.device.type != "cpu":
-        raise ValueError(f"attention_pairs counts host ids (the sampler's); got ids on {ids.device}")
-    flat = ids.reshape(-1, ids.shape[-1]).long()
-    rows = torch.arange(flat.shape[0], device="cpu")[:, None]
-    keyed = flat + rows * (int(flat.max()) + 1 if flat.numel() else 1)  # a document never spans two rows
-    lengths = torch.unique_consecutive(keyed.flatten(), return_counts=True)[1]
-    return int((lengths * (lengths + 1) // 2).sum())
+def attention_pairs(ids: torch.Tensor) -> torch.Tensor:
+    """(query, key) pairs the document mask keeps over all rows of ids [..., T], for MFU: Σ over documents of
+    l·(l+1)/2, each document's causal triangle. The query at position p of its document sees p + 1 keys, so the
+    count is Σ (p + 1): a 0-d int64 tensor on the ids' device, no value read (the trainer reads a logging window's
+    counts with its other figures). The plain causal count is B·T·(T+1)/2 (`dense_attention_pairs`)."""
+    return (document_positions(ids) + 1).sum()
 
 
 def dense_attention_pairs(rows: int, seq_len: int) -> int:

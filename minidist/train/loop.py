@@ -150,13 +150,14 @@ def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -
 
 
 def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int, device: torch.device,
-                  eod_id: int | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list | None, int]:
+                  eod_id: int | None = None
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list | None, torch.Tensor | None]:
     """This rank's rows of the global batch of `step`, split into micro-batches of (inputs, targets); with `eod_id`
     (--doc-mask) each micro-batch's document ids, computed on the host from the rows the sampler gave (then sent
-    with them), and the (query, key) pairs their attention keeps, counted on the host for MFU (else None, 0)."""
+    with them), and the (query, key) pairs their attention keeps, for MFU (a 0-d tensor on the host; else None)."""
     inputs, targets = sampler.shard(step, topo.coord("dp"), topo.size("dp"))
     ids = document_ids(inputs, eod_id) if eod_id is not None else None
-    pairs = attention_pairs(ids) if ids is not None else 0
+    pairs = attention_pairs(ids) if ids is not None else None
     docs = list(ids.to(device).chunk(microbatches)) if ids is not None else None
     inputs, targets = inputs.to(device), targets.to(device)
     return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches))), docs, pairs
@@ -324,11 +325,11 @@ def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, starte
 
 def window_flops(run: Run, pending: list[dict[str, Any]]) -> list[float | None]:
     """--doc-mask: the model FLOPs of each step of the window, with the attention its document masks kept (every
-    dp rank counted its own rows on the host: one small all-reduce per logging window sums them); else None each
-    (the dense causal count, `MfuMeter`'s own)."""
+    dp rank counted its own rows on the host: one small all-reduce per logging window sums them, read with the
+    window's figures); else None each (the dense causal count, `MfuMeter`'s own)."""
     if run.eod_id is None:
         return [None] * len(pending)
-    pairs = torch.tensor([p["pairs"] for p in pending], dtype=torch.int64, device=run.device)
+    pairs = torch.stack([p["pairs"] for p in pending]).to(run.device)
     if run.topo.size("dp") > 1:
         run.topo.comm("dp").all_reduce(pairs)
     return [flops.step_flops(run.mcfg, run.info["tokens_per_step"], n) for n in pairs.tolist()]
