@@ -11,7 +11,7 @@
 # 3. throughput: configs/gpu/dense-1b.toml (0.97B, bf16): eager, compiled, eager with --recompute full, and (cuda
 #    only) eager with --fp8 rowwise (tokens/s, MFU, peak memory). On --device cpu a 2-layer stand-in of the same config, eager and recomputed.
 # 4. layouts (2+ GPUs; on --device cpu, 2 gloo processes): the tiny model under dp (ZeRO 1 and 3), tp+sp, pp,
-#    cp (ring and Ulysses also with --doc-mask) and ep (an MoE variant) with the replica check every step, each
+#    cp (ring, all-gather, Ulysses also with --doc-mask) and ep (an MoE variant) with the replica check every step, each
 #    against its one-device run, and a checkpoint round trip (stop after 3 steps, resume to 5) against the straight
 #    run. CPU: the round trip only.
 set -euo pipefail
@@ -95,7 +95,8 @@ MOE=(--set "model.moe={n_experts=4, top_k=2, capacity_factor=2.0}")
 if [ "$DEVICE" = cuda ] && [ "$GPUS" -ge 2 ]; then
   LAYOUTS=("dp2-zero1:--dp 2 --zero 1" "dp2-zero3:--dp 2 --zero 3" "tp2-sp:--tp 2 --sp"
            "pp2-1f1b:--pp 2 --microbatches 2" "cp2-ring:--cp 2 --cp-impl ring" "ep2:--ep 2 moe"
-           "cp2-ring-docs:--cp 2 --cp-impl ring docs" "cp2-ulysses-docs:--cp 2 --cp-impl ulysses docs")
+           "cp2-ring-docs:--cp 2 --cp-impl ring docs" "cp2-allgather-docs:--cp 2 --cp-impl allgather docs"
+           "cp2-ulysses-docs:--cp 2 --cp-impl ulysses docs")
 else  # on a CPU only the round trip below (its first launch is a dp2 run): each launch costs seconds in CI
   LAYOUTS=()
 fi

@@ -17,6 +17,7 @@ from minidist.model.documents import (
     document_mask,
     document_mask_mod,
     document_positions,
+    gathered_document_attention,
 )
 
 EOD = 9
@@ -102,8 +103,9 @@ def test_bad_document_ids_are_one_line_errors():
 def test_blockwise_context_parallel_kernel_keeps_documents_apart_in_fp64(rank):
     """The kernel of ring and all-gather attention with document ids: one zig-zag rank's query chunks against the
     keys of both ranks in shard order (what the all-gather hands over, and the ring's blocks one by one) equal the
-    rows of full attention under the dense document mask, forward and backward, to fp64 rounding. Causality comes
-    from the chunks' global positions, the document condition from the whole sequence's ids."""
+    rows of full attention under the dense document mask, forward and backward, to fp64 rounding; and so does the
+    all-gather's kernel on CUDA (flex over the gathered keys, forward). Causality comes from the chunks' global
+    positions, the document condition from the whole sequence's ids."""
     from minidist.parallel.cp.blockwise import blockwise_attention
     from minidist.parallel.cp.sharding import shard_spans
 
@@ -126,3 +128,8 @@ def test_blockwise_context_parallel_kernel_keeps_documents_apart_in_fp64(rank):
     torch.testing.assert_close(out, full, rtol=0, atol=1e-13)
     for got, ref in zip(torch.autograd.grad((out * grad).sum(), (q, k, v)), want):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    with torch.no_grad(), warnings.catch_warnings():  # all-gather's CUDA kernel: flex over the gathered keys
+        warnings.simplefilter("ignore")  # (run eagerly here, forward only: flex has no backward on a CPU)
+        flex = gathered_document_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], ids, torch.tensor(mine),
+                                           torch.tensor(keys))
+    torch.testing.assert_close(flex, full, rtol=0, atol=1e-12)

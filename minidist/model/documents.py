@@ -105,6 +105,25 @@ def _flex(device_type: str) -> Callable[..., torch.Tensor]:
     return _compiled_flex
 
 
+def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
+                                q_index: torch.Tensor, k_index: torch.Tensor, scale: float | None = None
+                                ) -> torch.Tensor:
+    """Queries and keys at any global positions of the sequence whose ids [B, T] are given (`q_index` [Tq],
+    `k_index` [Tk]: context parallelism's zig-zag queries against the all-gathered keys in shard order), through
+    flex attention with the BlockMask of (key <= query by global position, and one document). The chunks are runs
+    of consecutive positions, so the tiles stay whole or empty as in one sequence. Autograd is flex's own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        qp, kp = q_index[qi], k_index[ki]
+        return (qp >= kp) & (ids[b, qp] == ids[b, kp])
+
+    cuda = q.device.type == "cuda"
+    block_mask = create_block_mask(visible, ids.shape[0], None, len(q_index), len(k_index), device=q.device,
+                                   _compile=cuda)
+    return _flex(q.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
                        scale: float | None = None) -> torch.Tensor:
     """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`):

@@ -29,7 +29,7 @@ key.
 Documents (`--doc-mask`): causality stays a function of the global index (the Python ranges below), and the
 document condition is added from the ids of the whole sequence [B, T], which every cp rank holds: a block pair the
 causal mask keeps gets the mask (causal & same document) [B, Tq, Tk] (`with_documents`), attended by the reference
-kernel (the fused ones take no mask).
+kernel (the fused ones take no mask; on CUDA the all-gather variant hands documents to flex attention instead).
 """
 
 from __future__ import annotations
