@@ -68,5 +68,5 @@ class GroupedQueryAttention(nn.Module):
             cos, sin = rope_for_heads(rope)
             q = apply_rotary(q, cos, sin, self.rope_layout)
             k = apply_rotary(k, cos, sin, self.rope_layout)
-        y = self.core(q, k, v, docs=docs)
+        y = self.core(q, k, v) if docs is None else self.core(q, k, v, docs=docs)  # a core may not know docs
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))

@@ -117,7 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, heads, -1, -1)), dim=-1)
-        y = self.core(q, k, v, scale=self.softmax_scale, docs=docs)
+        extra = {} if docs is None else {"docs": docs}  # a swapped-in core without documents keeps working
+        y = self.core(q, k, v, scale=self.softmax_scale, **extra)
         return self.wo(rearrange(y, "b h t v -> b t (h v)"))
 
     # -- inference / absorbed path --------------------------------------------------------------------------------

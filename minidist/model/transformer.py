@@ -45,7 +45,7 @@ class Block(nn.Module):
             self.mlp = build_mlp(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope = None, docs: Documents | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, docs)
+        x = x + (self.attn(self.attn_norm(x), rope) if docs is None else self.attn(self.attn_norm(x), rope, docs))
         return x + self.mlp(self.mlp_norm(x))
 
 
