@@ -183,6 +183,14 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int, active_only: bool = True
     return 6.0 * matmul_params(cfg, active_only) + causal_attention_flops_per_token(cfg, seq_len)
 
 
+def step_flops(cfg: ModelConfig, tokens: int, pairs: int, active_only: bool = True) -> float:
+    """The model FLOPs MFU counts for `tokens` tokens whose attention scored `pairs` (query, key) pairs: 6·N per
+    token + the score and value matmuls per pair kept (`attention_flops_per_token(cfg, 1)`). A document mask keeps
+    Σ_documents l·(l+1)/2 pairs per row (`minidist.model.documents.attention_pairs`); the causal mask T·(T+1)/2,
+    where this equals tokens · `mfu_flops_per_token`."""
+    return 6.0 * matmul_params(cfg, active_only) * tokens + attention_flops_per_token(cfg, 1) * pairs
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False, active_only: bool = True) -> float:
     """Training (forward + backward) FLOPs per token, PaLM's convention: 6·N + 12·L·H·Q·T.
 
@@ -324,12 +332,16 @@ class MfuMeter:
         self.raised_from: float | None = None
         self.above_datasheet = False  # a step beat the datasheet peak (reported once)
         self.tokens = 0
+        self.flops = 0.0
         self.seconds = 0.0
 
-    def step(self, tokens: int, seconds: float, count: bool = True) -> tuple[float, str | None]:
+    def step(self, tokens: int, seconds: float, count: bool = True, flops: float | None = None
+             ) -> tuple[float, str | None]:
         """This step's MFU, and a message the first time a step beat the peak (a measured peak is then raised to it).
-        count=False leaves the step out of the cumulative figure (the first step pays one-time costs)."""
-        achieved = tokens * self.flops_per_token / seconds
+        count=False leaves the step out of the cumulative figure (the first step pays one-time costs). `flops`: the
+        step's model FLOPs when they are not tokens × flops_per_token (a document mask: `step_flops`)."""
+        flops = tokens * self.flops_per_token if flops is None else flops
+        achieved = flops / seconds
         message = None
         if achieved > self.peak and self.datasheet:
             if not self.above_datasheet:
@@ -345,10 +357,11 @@ class MfuMeter:
             self.peak = achieved
         if count:
             self.tokens += tokens
+            self.flops += flops
             self.seconds += seconds
         return achieved / self.peak, message
 
     @property
     def cumulative(self) -> float:
         """Total model FLOPs over total counted step time, against the final peak."""
-        return self.tokens * self.flops_per_token / (self.seconds * self.peak) if self.seconds else 0.0
+        return self.flops / (self.seconds * self.peak) if self.seconds else 0.0

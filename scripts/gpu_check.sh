@@ -6,12 +6,14 @@
 # 0. env: torch, CUDA, GPUs; the package's torch check (every torch.distributed name it calls exists here).
 # 1. probes: which SDPA kernels run (flash / cuDNN on sm90), checked against the math kernel and timed; a world-1
 #    process group (NCCL on cuda) through minidist's Comm.
-# 2. parity: a tiny model, 5 steps, fp32, on the CPU and on DEVICE: the losses agree (TF32 on CUDA: 5e-3).
+# 2. parity: a tiny model, 5 steps, fp32, on the CPU and on DEVICE: the losses agree (TF32 on CUDA: 5e-3). On
+#    cuda also with --doc-mask: flex attention's BlockMask on the GPU against SDPA's bool mask on the CPU.
 # 3. throughput: configs/gpu/dense-1b.toml (0.97B, bf16): eager, compiled, eager with --recompute full, and (cuda
 #    only) eager with --fp8 rowwise (tokens/s, MFU, peak memory). On --device cpu a 2-layer stand-in of the same config, eager and recomputed.
 # 4. layouts (2+ GPUs; on --device cpu, 2 gloo processes): the tiny model under dp (ZeRO 1 and 3), tp+sp, pp,
-#    cp and ep (an MoE variant) with the replica check every step, each against its one-device run, and a
-#    checkpoint round trip (stop after 3 steps, resume to 5) against the straight run. CPU: the round trip only.
+#    cp (ring, all-gather, Ulysses also with --doc-mask) and ep (an MoE variant) with the replica check every step, each
+#    against its one-device run, and a checkpoint round trip (stop after 3 steps, resume to 5) against the straight
+#    run. CPU: the round trip only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,6 +61,15 @@ echo "== 2. parity: tiny model, cpu vs $DEVICE"
 logged "$OUT/tiny-cpu.log" train "${TINY[@]}" --device cpu --out "$OUT/tiny-cpu" --overwrite
 logged "$OUT/tiny-device.log" train "${TINY[@]}" --device "$DEVICE" --out "$OUT/tiny-device" --overwrite
 "${CHECK[@]}" compare "$OUT/tiny-cpu" "$OUT/tiny-device" 5e-3
+DOCS=(--doc-mask --data "$OUT/docs")  # 400 documents of 11-41 bytes: a row of 64 tokens crosses several
+if [ "$DEVICE" = cuda ]; then  # the document mask's GPU kernel (flex attention) against the CPU's
+  "$PY" -c 'import pathlib, sys; d = pathlib.Path(sys.argv[1]); d.mkdir(exist_ok=True)
+for i in range(400): (d / f"{i:03d}.txt").write_text(f"document {i}:" + " abc" * (i % 8))' "$OUT/docs"
+  logged "$OUT/tiny-docs-cpu.log" train "${TINY[@]}" "${DOCS[@]}" --device cpu --out "$OUT/tiny-docs-cpu" --overwrite
+  logged "$OUT/tiny-docs-device.log" train "${TINY[@]}" "${DOCS[@]}" --device cuda --out "$OUT/tiny-docs-device" \
+    --overwrite
+  "${CHECK[@]}" compare "$OUT/tiny-docs-cpu" "$OUT/tiny-docs-device" 5e-3
+fi
 
 echo "== 3. throughput: configs/gpu/dense-1b.toml"
 if [ "$DEVICE" = cuda ]; then
@@ -83,7 +94,9 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_
 MOE=(--set "model.moe={n_experts=4, top_k=2, capacity_factor=2.0}")
 if [ "$DEVICE" = cuda ] && [ "$GPUS" -ge 2 ]; then
   LAYOUTS=("dp2-zero1:--dp 2 --zero 1" "dp2-zero3:--dp 2 --zero 3" "tp2-sp:--tp 2 --sp"
-           "pp2-1f1b:--pp 2 --microbatches 2" "cp2-ring:--cp 2 --cp-impl ring" "ep2:--ep 2 moe")
+           "pp2-1f1b:--pp 2 --microbatches 2" "cp2-ring:--cp 2 --cp-impl ring" "ep2:--ep 2 moe"
+           "cp2-ring-docs:--cp 2 --cp-impl ring docs" "cp2-allgather-docs:--cp 2 --cp-impl allgather docs"
+           "cp2-ulysses-docs:--cp 2 --cp-impl ulysses docs")
 else  # on a CPU only the round trip below (its first launch is a dp2 run): each launch costs seconds in CI
   LAYOUTS=()
 fi
@@ -97,6 +110,7 @@ if [ "${#LAYOUTS[@]}" -gt 0 ]; then
   for layout in "${LAYOUTS[@]}"; do
     name="${layout%%:*}" flags="${layout#*:}" extra=() ref="$OUT/tiny-device"
     if [[ "$flags" == *" moe" ]]; then flags="${flags% moe}" extra=("${MOE[@]}") ref="$OUT/tiny-moe"; fi
+    if [[ "$flags" == *" docs" ]]; then flags="${flags% docs}" extra=("${DOCS[@]}") ref="$OUT/tiny-docs-device"; fi
     # shellcheck disable=SC2086
     logged "$OUT/tiny-$name.log" launch 2 "${TINY[@]}" "${extra[@]}" $flags --check-every 1 --device "$DEVICE" \
       --out "$OUT/tiny-$name" --overwrite

@@ -54,6 +54,8 @@ LAYOUTS = {
         "cp2 ulysses": ("dense", dict(cp=2, cp_impl="ulysses")),
         "moe dp2 ep2": ("moe", dict(dp=2, ep=2)),
         "moe tied pp2": ("moe", dict(pp=2, schedule="1f1b")),
+        "doc-mask cp2 ring": ("docs", dict(cp=2, cp_impl="ring")),  # document ids made on the host, sent with rows
+        "doc-mask pp2 1f1b": ("docs", dict(pp=2, schedule="1f1b")),
     },
     4: {
         RESUME: ("dense", dict(tp=2, dp=2, zero=1, ckpt_every=1)),
@@ -66,8 +68,9 @@ LAYOUTS = {
 
 def config(out: str, kind: str, **changes) -> TrainConfig:
     """2 steps of batch 8 x 16 in 2 micro-batches, clipping active, the replica check after every step, one
-    evaluation (at the last step), no checkpoint unless asked."""
+    evaluation (at the last step), no checkpoint unless asked. Kind "docs": the dense model with --doc-mask."""
     settings = dict(model="tiny", model_overrides=dict(MOE if kind == "moe" else DENSE), max_bytes=50_000,
+                    doc_mask=kind == "docs",
                     batch_size=8, seq_len=16, microbatches=2, steps=2, warmup_steps=1, grad_clip=1.0, eval_every=0,
                     eval_batches=1, log_every=100, ckpt_every=0, check_every=1, out=out, seed=0, peak_flops=1e12,
                     plot=False)
@@ -113,7 +116,7 @@ def references(tmp_path_factory) -> dict[str, list[dict]]:
     """The one-process run of each model, without the sentinel."""
     return {kind: trainer_parity.single_process_records(str(tmp_path_factory.mktemp(kind)),
                                                         functools.partial(config, kind=kind))
-            for kind in ("dense", "moe")}
+            for kind in ("dense", "moe", "docs")}
 
 
 def assert_matches(name: str, records: list[dict], reference: list[dict]) -> None:

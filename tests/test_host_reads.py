@@ -52,3 +52,10 @@ def test_dense_step_reads_at_most_one_value(tmp_path):
 def test_moe_step_reads_at_most_one_value(tmp_path):
     counts = count_run(config(str(tmp_path / "moe"), MOE), ops=False)
     assert all(sum(sites.values()) <= 1 for sites in quiet_reads(counts).values()), quiet_reads(counts)
+
+
+def test_doc_mask_step_reads_at_most_one_value(tmp_path):
+    """--doc-mask: the document ids and the attention pairs (MFU) of each step come without a read of a value; the
+    window's pair counts are read with its other figures, on the logging step."""
+    counts = count_run(config(str(tmp_path / "docs"), DENSE, doc_mask=True), ops=False)
+    assert all(sum(sites.values()) <= 1 for sites in quiet_reads(counts).values()), quiet_reads(counts)

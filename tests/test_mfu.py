@@ -101,3 +101,18 @@ def test_every_metrics_row_is_at_most_one_when_the_peak_was_measured_low(tmp_pat
     assert info["final"]["peak_flops_raised_from"] == 1e6 and info["final"]["final_peak_flops"] > 1e6
     assert 0 < summary["cumulative_mfu"] <= 1
     assert capsys.readouterr().out.count("the peak is raised") == 1
+
+
+def test_step_flops_count_the_attention_pairs_kept():
+    """--doc-mask: a step's model FLOPs are 6·N per token + the attention per (query, key) pair kept; with every
+    pair of the causal mask that is tokens × mfu_flops_per_token, and two documents of T/2 keep fewer pairs."""
+    cfg, rows, t = get_preset("tiny"), 4, 64
+    causal = rows * t * (t + 1) // 2
+    assert flops.step_flops(cfg, rows * t, causal) == pytest.approx(rows * t * flops.mfu_flops_per_token(cfg, t))
+    halves = rows * 2 * (t // 2) * (t // 2 + 1) // 2
+    saved = flops.step_flops(cfg, rows * t, causal) - flops.step_flops(cfg, rows * t, halves)
+    assert saved == pytest.approx((causal - halves) * flops.attention_flops_per_token(cfg, t) / t)
+    meter = flops.MfuMeter(flops_per_token=1e6, peak_flops=1e9)
+    assert meter.step(100, 1.0, flops=5e7) == (pytest.approx(0.05), None)  # the given FLOPs, not 100 × 1e6
+    meter.step(100, 1.0)
+    assert meter.cumulative == pytest.approx((5e7 + 1e8) / 2e9)

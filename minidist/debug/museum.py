@@ -72,9 +72,10 @@ def _pipeline_without_1_over_m() -> contextlib.AbstractContextManager:
     real = PipelineRunner.step
 
     @functools.wraps(real)
-    def step(self, batches, autocast=contextlib.nullcontext, no_sync=None, *, loss_scale, positions=None):
+    def step(self, batches, autocast=contextlib.nullcontext, no_sync=None, *, loss_scale, positions=None, docs=None):
         # each micro-batch's loss normalized by its own share only: m times the gradient of the mean
-        return real(self, batches, autocast, no_sync, loss_scale=loss_scale * len(batches), positions=positions)
+        return real(self, batches, autocast, no_sync, loss_scale=loss_scale * len(batches), positions=positions,
+                    docs=docs)
     return mock.patch.object(PipelineRunner, "step", step)
 
 

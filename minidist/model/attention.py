@@ -12,9 +12,17 @@ from einops import rearrange
 from torch import nn
 
 from minidist.model.config import ModelConfig
+from minidist.model.documents import Documents, document_attention
 from minidist.model.rope import apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the positions of this forward, or None
+
+
+def rope_for_heads(rope: Rope) -> Rope:
+    """(cos, sin) shaped to rotate [B, H, T, d]: per-row positions give [B, T, d/2], which needs a heads axis."""
+    if rope is None or rope[0].dim() < 3:
+        return rope
+    return rope[0][:, None], rope[1][:, None]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -30,9 +38,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class CausalAttention(nn.Module):
     """The attention core, `causal_attention` as a module without parameters: q, k, v of this rank's tokens in,
-    the attended values out. Context parallelism (chapter 10) swaps it for a core that attends across ranks."""
+    the attended values out; with `docs`, block-diagonal causal (`minidist.model.documents`). Context parallelism
+    (chapter 10) swaps it for a core that attends across ranks."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        if docs is not None:
+            return document_attention(q, k, v, docs, scale)
         return causal_attention(q, k, v, scale)
 
 
@@ -47,14 +59,14 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, docs: Documents | None = None) -> torch.Tensor:
         # Split heads; their number h follows from the weight shape (fewer on a tensor-parallel rank).
         q = rearrange(self.wq(x), "b t (h d) -> b h t d", d=self.head_dim)
         k = rearrange(self.wk(x), "b t (h d) -> b h t d", d=self.head_dim)
         v = rearrange(self.wv(x), "b t (h d) -> b h t d", d=self.head_dim)
         if rope is not None:
-            cos, sin = rope
+            cos, sin = rope_for_heads(rope)
             q = apply_rotary(q, cos, sin, self.rope_layout)
             k = apply_rotary(k, cos, sin, self.rope_layout)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v) if docs is None else self.core(q, k, v, docs=docs)  # a core may not know docs
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))

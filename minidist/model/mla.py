@@ -30,8 +30,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from minidist.model.attention import CausalAttention
+from minidist.model.attention import CausalAttention, rope_for_heads
 from minidist.model.config import ModelConfig
+from minidist.model.documents import Documents
 from minidist.model.kv_cache import LatentKVCache
 from minidist.model.layers import RMSNorm
 from minidist.model.rope import apply_rotary, yarn_attention_scale
@@ -91,7 +92,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = nn.functional.linear(self._query_input(x), self._query_weight())
         q = rearrange(q, "b t (h e) -> b h t e", h=self.n_heads)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        return q_nope, self._rotate(q_rope, rope)
+        return q_nope, self._rotate(q_rope, rope_for_heads(rope))
 
     def _latents(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """What a decoder caches: c_KV [B, T, kv_rank] (normalized) and the rotated shared key k_rope [B, T, rope]."""
@@ -106,8 +107,9 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- training / naive path ------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        """Naive path: expand the latents into per-head keys and values, then ordinary causal attention."""
+    def forward(self, x: torch.Tensor, rope: Rope = None, docs: Documents | None = None) -> torch.Tensor:
+        """Naive path: expand the latents into per-head keys and values, then ordinary causal attention (within
+        each document with `docs`). The absorbed path below is for decoding and takes no document mask."""
         heads = self.n_heads
         q_nope, q_rope = self._queries(x, rope)
         c_kv, k_rope = self._latents(x, rope)
@@ -115,7 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, heads, -1, -1)), dim=-1)
-        y = self.core(q, k, v, scale=self.softmax_scale)
+        extra = {} if docs is None else {"docs": docs}  # a swapped-in core without documents keeps working
+        y = self.core(q, k, v, scale=self.softmax_scale, **extra)
         return self.wo(rearrange(y, "b h t v -> b t (h v)"))
 
     # -- inference / absorbed path --------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_in = self._query_input(x)
         q_latent = torch.einsum("bti,hri->bhtr", q_in, w_q_latent)
         w_q_rope = rearrange(self._query_weight(), "(h e) i -> h e i", h=self.n_heads)[:, self.nope:]
-        q_rope = self._rotate(torch.einsum("bti,hpi->bhtp", q_in, w_q_rope), rope)
+        q_rope = self._rotate(torch.einsum("bti,hpi->bhtp", q_in, w_q_rope), rope_for_heads(rope))
         c_kv, k_rope = self._latents(x, rope)
         if cache is not None:
             c_kv, k_rope = cache.append(c_kv, k_rope)

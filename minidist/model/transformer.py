@@ -15,6 +15,7 @@ from torch import nn
 
 from minidist.model.attention import GroupedQueryAttention, Rope
 from minidist.model.config import ModelConfig
+from minidist.model.documents import Documents
 from minidist.model.init import init_parameters
 from minidist.model.layers import build_mlp, build_norm
 from minidist.model.mla import MultiHeadLatentAttention
@@ -43,8 +44,8 @@ class Block(nn.Module):
         else:
             self.mlp = build_mlp(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: Rope = None, docs: Documents | None = None) -> torch.Tensor:
+        x = x + (self.attn(self.attn_norm(x), rope) if docs is None else self.attn(self.attn_norm(x), rope, docs))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -75,9 +76,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, docs: torch.Tensor | None = None,
                 blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True) -> torch.Tensor:
-        """Logits [B, T, vocab] for tokens [B, T]; positions default to 0..T−1 (T = x.shape[1]).
+        """Logits [B, T, vocab] for tokens [B, T]; positions [T] (or per row, [B, T]) default to 0..T−1.
+
+        `docs`: the document id of every token of the whole sequence [B, T] (`minidist.model.documents`):
+        attention stays within each document (pass positions that restart at each document too).
 
         The keywords run a part of the model, for pipeline stages: only the blocks whose indices are in `blocks`
         (in that order; default all), with embed=False taking hidden states [B, T, d] instead of tokens and
@@ -91,8 +95,11 @@ class Transformer(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
+        if docs is not None and docs.shape[0] != x.shape[0]:
+            raise ValueError(f"document ids for {docs.shape[0]} rows, but the batch has {x.shape[0]}")
+        documents = Documents.build(docs) if docs is not None else None  # one mask for every block
         for i in range(len(self.blocks)) if blocks is None else blocks:
-            x = self.blocks[i](x, rope)
+            x = self.blocks[i](x, rope, documents)
         return self.lm_head(self.norm(x)) if head else x
 
     def aux_loss(self, blocks: Sequence[int] | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import nn
 
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, lm_loss
+from minidist.model.documents import document_positions
 from minidist.model.moe import stats as moe_routing
 from minidist.parallel.dp.data_parallel import DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
@@ -54,6 +55,7 @@ from minidist.precision import check_fp32
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Autocast = Callable[[], contextlib.AbstractContextManager]
+Docs = list[torch.Tensor] | None  # per micro-batch, the document ids [B, T] of its inputs (--doc-mask); None: no mask
 
 
 @dataclass
@@ -175,14 +177,17 @@ class ParallelModel:
 
     # -- the step ---------------------------------------------------------------------------------------------------
 
-    def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
+    def forward_backward(self, batches: Batches, autocast: Autocast = contextlib.nullcontext,
+                         docs: Docs = None) -> StepLosses:
         """Accumulate the gradient of the global batch's mean loss over this rank's micro-batches; the losses as
-        floats (read on the host: `forward_backward_on_device` leaves them on the device)."""
-        return self.forward_backward_on_device(batches, autocast).read()
+        floats (read on the host: `forward_backward_on_device` leaves them on the device). `docs`: each
+        micro-batch's document ids (attention within documents, positions restarting at each)."""
+        return self.forward_backward_on_device(batches, autocast, docs).read()
 
-    def forward_backward_on_device(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> StepLosses:
+    def forward_backward_on_device(self, batches: Batches, autocast: Autocast = contextlib.nullcontext,
+                                   docs: Docs = None) -> StepLosses:
         """`forward_backward` with the losses left on the compute device (0-d float64 tensors): nothing waits."""
-        batches, positions = self._local_tokens(batches)
+        batches, positions = self._local_tokens(batches, docs)
         self._tied_pending = self.tied is not None
         count = self._global_sum(count_targets(batches))
         replicas = self.replicas.size if self.replicas is not None else 1
@@ -190,22 +195,22 @@ class ParallelModel:
         no_sync = self._grad_sync.no_sync
         if self.runner is not None:
             totals = self.runner.step(batches, autocast, no_sync=no_sync, loss_scale=loss_scale,
-                                      positions=positions).totals
+                                      positions=positions, docs=docs).totals
             loss_sum, aux = totals[0], totals[1]
         else:
-            loss_sum, aux = self._accumulate(batches, positions, autocast, no_sync, loss_scale)
+            loss_sum, aux = self._accumulate(batches, positions, docs, autocast, no_sync, loss_scale)
         # One all-reduce: the loss sum, and the balancing losses (a per-replica mean: their average is the global)
         totals = self._global_sum(torch.stack([loss_sum.double().to(count.device), aux.double().to(count.device)]))
         return StepLosses(totals[0] / count, totals[1] / replicas)
 
-    def _accumulate(self, batches: Batches, positions: list | None, autocast: Autocast, no_sync: Callable,
-                    loss_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accumulate(self, batches: Batches, positions: list | None, docs: Docs, autocast: Autocast,
+                    no_sync: Callable, loss_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward each micro-batch; data parallelism communicates during the last backward only."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         aux_total = torch.zeros_like(total)
         for i, (inputs, targets) in enumerate(batches):
             with autocast():
-                logits = self.model(inputs, positions[i] if positions else None)
+                logits = self.model(inputs, positions[i] if positions else None, docs=docs[i] if docs else None)
             loss_sum = self.loss_fn(logits, targets)  # fp32 whatever the autocast dtype
             check_fp32("loss", loss_sum)
             objective = loss_sum * loss_scale
@@ -253,27 +258,30 @@ class ParallelModel:
             moe_routing.update_router_biases(self.model, reduce_fn=reduce, apply=apply)
 
     @torch.no_grad()
-    def evaluate(self, batches: Batches, autocast: Autocast = contextlib.nullcontext) -> float:
+    def evaluate(self, batches: Batches, autocast: Autocast = contextlib.nullcontext, docs: Docs = None) -> float:
         """Mean LM loss over fixed batches (every replica evaluates the same ones), forwards only."""
         self.model.eval()
-        local, positions = self._local_tokens(batches)
+        local, positions = self._local_tokens(batches, docs)
         if self.runner is not None:
-            loss_sum = torch.as_tensor(self.runner.evaluate(local, autocast, positions), dtype=torch.float64,
+            loss_sum = torch.as_tensor(self.runner.evaluate(local, autocast, positions, docs), dtype=torch.float64,
                                        device=batches[0][0].device)
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
             for i, (inputs, targets) in enumerate(local):
                 with autocast():
-                    logits = self.model(inputs, positions[i] if positions else None)
+                    logits = self.model(inputs, positions[i] if positions else None,
+                                        docs=docs[i] if docs else None)
                     loss_sum += self.loss_fn(logits, targets).double()
         if self.context is not None:  # each cp rank scored its own tokens of every sequence
             self.context.comm.all_reduce(loss_sum)
         self.model.train()
         return (loss_sum.cpu() / count_targets(batches).cpu()).item()
 
-    def _local_tokens(self, batches: Batches) -> tuple[Batches, list[torch.Tensor] | None]:
-        """This rank's tokens of each micro-batch and their global positions (None: all tokens, 0..T−1)."""
-        return (batches, None) if self.context is None else self.context.shard(batches)
+    def _local_tokens(self, batches: Batches, docs: Docs = None) -> tuple[Batches, list[torch.Tensor] | None]:
+        """This rank's tokens of each micro-batch and their positions (None: all tokens, 0..T−1): global ones, or
+        with `docs` the positions within each token's document [B, T_local]. The ids themselves stay whole."""
+        positions = [document_positions(ids) for ids in docs] if docs else None
+        return (batches, positions) if self.context is None else self.context.shard(batches, positions)
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Σ over the data-parallel replicas (each holds different rows of the global batch)."""

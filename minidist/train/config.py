@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     parser.add_argument("--overwrite", action="store_true", help="replace the run in OUT (only the trainer's "
                         "files: checkpoints/, metrics.jsonl, run.json, loss.png); without it a run there is refused")
+    parser.add_argument("--doc-mask", action="store_true", help="documents stay apart: attention within each "
+                        "document (block-diagonal causal mask), RoPE positions restarting at each; targets unchanged")
     parser.add_argument("--sp", action="store_true", help="sequence parallel: outside the tensor-parallel regions "
                         "(norms, residual stream) each tp rank holds a slice of the sequence (needs --tp > 1)")
     parser.add_argument("--tp-reduce-fp32", action="store_true",

@@ -42,8 +42,9 @@ from torch import nn
 from minidist import flops, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
-from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.data.corpus import FILE_SEPARATOR, BatchSampler, Corpus, load_corpus, unigram_entropy_nats
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
+from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, out_files, profiling, run_dir, run_state
@@ -104,7 +105,8 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,
-              out=Path(cfg.out), info={})
+              out=Path(cfg.out), info={}, eod_id=end_of_document_id(corpus) if cfg.doc_mask else None)
+    run.val_docs = [document_ids(inputs, run.eod_id) for inputs, _ in run.val_batches] if cfg.doc_mask else None
     run.info = describe_run(run, corpus, counts)
     check_fault_target(run)  # before OUT is touched: a bad drill leaves no run behind
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
@@ -133,6 +135,12 @@ def load_data(cfg: TrainConfig) -> Corpus:
     return corpus
 
 
+def end_of_document_id(corpus: Corpus) -> int:
+    """The token that ends each document of the training data (the one place the loop asks): the file separator
+    the byte corpus puts between files (a prepared dataset's manifest will name its own)."""
+    return FILE_SEPARATOR[0]
+
+
 def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -> list:
     """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split.
     The rows are --eval-batches batches of --batch-size rows whatever --microbatches is (each batch is then cut into
@@ -144,12 +152,18 @@ def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -
             for pair in zip(*(part.chunk(cfg.microbatches) for part in sampler.batch(i)))]
 
 
-def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int,
-                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's rows of the global batch of `step`, split into micro-batches of (inputs, targets)."""
+def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches: int, device: torch.device,
+                  eod_id: int | None = None
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list | None, torch.Tensor | None]:
+    """This rank's rows of the global batch of `step`, split into micro-batches of (inputs, targets); with `eod_id`
+    (--doc-mask) each micro-batch's document ids, computed on the host from the rows the sampler gave (then sent
+    with them), and the (query, key) pairs their attention keeps, for MFU (a 0-d tensor on the host; else None)."""
     inputs, targets = sampler.shard(step, topo.coord("dp"), topo.size("dp"))
+    ids = document_ids(inputs, eod_id) if eod_id is not None else None
+    pairs = attention_pairs(ids) if ids is not None else None
+    docs = list(ids.to(device).chunk(microbatches)) if ids is not None else None
     inputs, targets = inputs.to(device), targets.to(device)
-    return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
+    return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches))), docs, pairs
 
 
 def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, Any]:
@@ -167,7 +181,7 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
         "tokens_per_step": cfg.batch_size * cfg.seq_len, "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
         "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
         "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
-        "compile": resolve_compile(cfg.compile, run.device),
+        "compile": resolve_compile(cfg.compile, run.device), "eod_id": run.eod_id,
     }
 
 
@@ -188,16 +202,18 @@ def resume(run: Run) -> None:
 
 def train_step(parallel: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, step: int,
                grad_clip: float, autocast: Callable = contextlib.nullcontext, healthy: torch.Tensor | None = None,
+               docs: list[torch.Tensor] | None = None,
                label: Callable[[str], contextlib.AbstractContextManager] = profiling.no_label
                ) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's micro-batches of one global batch; returns (losses, grad norm before
     clipping, healthy), all on the device: nothing here waits for it. `healthy` (a bool tensor) stays True while
     every loss and gradient norm so far is finite; once False, the update of this step and of every later one is
     skipped on the device (`ParallelModel.step`), so the weights stay those before the first non-finite step until
-    the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does).
-    `label(name)` opens a range of a --profile-steps trace around each phase (minidist.train.profiling)."""
+    the loop reads its figures and stops (TrainingDiverged, naming that step as the progress line does). `docs`:
+    the micro-batches' document ids (--doc-mask). `label(name)` opens a range of a --profile-steps trace around
+    each phase (minidist.train.profiling)."""
     with label("forward_backward"):
-        losses = parallel.forward_backward_on_device(batches, autocast)
+        losses = parallel.forward_backward_on_device(batches, autocast, docs)
     with label("clip_grad_norm"):  # where data parallelism waits for its gradient buckets
         grad_norm = parallel.clip_grad_norm_(grad_clip)
     healthy = health.finite_on_device(losses.loss, grad_norm, healthy)
@@ -268,8 +284,8 @@ def train_loop(run: Run) -> dict[str, Any]:
         pending = []
         if run.val_batches and _is_due(step, cfg.eval_every, last):
             with quantization_snr(run.parallel.model, enabled=cfg.fp8 != "none") as snr:  # FP8: per-layer SNR
-                records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(run.val_batches,
-                                                                                              run.autocast)
+                records[-1]["val_loss"] = summary["val_losses"][step] = run.parallel.evaluate(
+                    run.val_batches, run.autocast, run.val_docs)
             if snr:
                 records[-1]["fp8_snr_db"] = snr
         if writer:
@@ -295,15 +311,15 @@ def run_step(run: Run, step: int, healthy: torch.Tensor | None, autocast: Callab
              ) -> tuple[dict[str, Any], torch.Tensor]:
     """Step `step`'s work, queued: its learning rate and its figures still on the device, and `healthy`."""
     lr = run.schedule.apply(run.parallel.optimizer, step)
-    batches = local_batches(run.sampler, step, run.topo, run.cfg.microbatches, run.device)
+    batches, docs, pairs = local_batches(run.sampler, step, run.topo, run.cfg.microbatches, run.device, run.eod_id)
     losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=run.cfg.grad_clip,
-                                            autocast=autocast, healthy=healthy, label=label)
+                                            autocast=autocast, healthy=healthy, docs=docs, label=label)
     run.sampler.step = step + 1  # the sampler is a function of the step; its state is the next step
     inject_fault(run, step)
     device = {"loss": losses.loss, "grad_norm": grad_norm}
     if run.mcfg.moe.n_experts > 0:
         device.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats_on_device())
-    return {"step": step, "lr": lr, "device": device}, healthy
+    return {"step": step, "lr": lr, "device": device, "pairs": pairs}, healthy
 
 
 def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, started: float) -> list[dict[str, Any]]:
@@ -315,20 +331,33 @@ def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, starte
     values = metrics.read_figures([p["device"] for p in pending], run.device)
     peak_mem = metrics.peak_memory_per_rank(run.device, run.topo.comm("world"))
     tokens, records = run.info["tokens_per_step"], []
-    for p, figures in zip(pending, values):
+    step_flops = window_flops(run, pending)
+    for p, figures, done in zip(pending, values, step_flops):
         try:
             health.check_finite(p["step"] + 1, figures["loss"], figures["grad_norm"])  # "step 3/200" is index 2
         except health.TrainingDiverged:
             if run.is_main:
                 metrics.MetricsWriter(run.out / "metrics.jsonl").write_many(records)
             raise
-        mfu, note = meter.step(tokens, seconds, count=p["step"] > run.start_step)
+        mfu, note = meter.step(tokens, seconds, count=p["step"] > run.start_step, flops=done)
         if note:
             run.log(note)
         records.append({"step": p["step"], "loss": figures.pop("loss"), "lr": p["lr"],
                         "grad_norm": figures.pop("grad_norm"), "mfu": mfu, "step_s": seconds,
                         "tokens_per_s": tokens / seconds, "peak_mem_bytes": peak_mem, **figures})
     return records
+
+
+def window_flops(run: Run, pending: list[dict[str, Any]]) -> list[float | None]:
+    """--doc-mask: the model FLOPs of each step of the window, with the attention its document masks kept (every
+    dp rank counted its own rows on the host: one small all-reduce per logging window sums them, read with the
+    window's figures); else None each (the dense causal count, `MfuMeter`'s own)."""
+    if run.eod_id is None:
+        return [None] * len(pending)
+    pairs = torch.stack([p["pairs"] for p in pending]).to(run.device)
+    if run.topo.size("dp") > 1:
+        run.topo.comm("dp").all_reduce(pairs)
+    return [flops.step_flops(run.mcfg, run.info["tokens_per_step"], n) for n in pairs.tolist()]
 
 
 def _is_due(step: int, every: int, last: int) -> bool:

@@ -108,7 +108,8 @@ def header_lines(cfg: Any, info: dict[str, Any], out: Path) -> list[str]:
         f"{cfg.microbatches} micro-batch(es); {cfg.steps} steps; lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"after {cfg.warmup_steps} warm-up steps",
         f"mfu vs {info['peak_flops_source']}: {info['peak_flops'] / 1e9:,.1f} GFLOP/s per device; "
-        f"{info.get('mfu_flops_per_token', info['flops_per_token']) / 1e6:.2f} MFLOP/token (causal attention; "
+        f"{info.get('mfu_flops_per_token', info['flops_per_token']) / 1e6:.2f} MFLOP/token ("
+        f"{'causal attention, at most: --doc-mask counts each step' if cfg.doc_mask else 'causal attention'}; "
         f"PaLM's full-attention count {info['flops_per_token'] / 1e6:.2f}); writing {out}/",
     ]
 

@@ -42,6 +42,8 @@ class Run:
     out: Path
     info: dict  # what run.json records
     start_step: int = 0
+    eod_id: int | None = None  # --doc-mask: the token that ends each document (None: attention across documents)
+    val_docs: list[torch.Tensor] | None = None  # --doc-mask: the document ids of each validation micro-batch
 
     @property
     def is_main(self) -> bool:

@@ -33,6 +33,7 @@ class TrainConfig:
     data: str = "stdlib"
     max_bytes: int | None = None
     val_fraction: float = 0.05
+    doc_mask: bool = False  # attention within each document (block-diagonal causal), positions restart at each
     # batch: global sizes, whatever the layout
     batch_size: int = 16
     seq_len: int = 128

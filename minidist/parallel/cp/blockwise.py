@@ -23,7 +23,13 @@ returns the log-sum-exp the same way and its backward accepts the final O and L 
 
 Grouped-query attention is handled by grouping the query heads, never by repeating key/value heads: query head
 j·g + i reads kv head j (g = H / H_kv), as `repeat_interleave` would lay it out. Shapes: q [B, H, Tq, d],
-k [B, H_kv, Tk, d], v [B, H_kv, Tk, d_v]; masks [Tq, Tk], True where a query may see a key.
+k [B, H_kv, Tk, d], v [B, H_kv, Tk, d_v]; masks [Tq, Tk] (or per row [B, Tq, Tk]), True where a query may see a
+key.
+
+Documents (`--doc-mask`): causality stays a function of the global index (the Python ranges below), and the
+document condition is added from the ids of the whole sequence [B, T], which every cp rank holds: a block pair the
+causal mask keeps gets the mask (causal & same document) [B, Tq, Tk] (`with_documents`), attended by the reference
+kernel (the fused ones take no mask; on CUDA the all-gather variant hands documents to flex attention instead).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ Partial = tuple[torch.Tensor, torch.Tensor]  # (output [B, H, Tq, d_v], log-sum-
 
 @dataclass
 class Work:
-    """Unmasked (query, key) position pairs a rank scored in its forwards: the causal mask's share of the work."""
+    """Unmasked (query, key) position pairs a rank scored in its forwards: the causal mask's share of the work
+    (with document ids, the causal count still: the pairs a document mask also hides are scored, then masked)."""
 
     scores: int = 0
 
@@ -81,6 +88,16 @@ def visibility(q: range, k: range, device: torch.device) -> torch.Tensor | str:
 def visible_pairs(q: range, k: range) -> int:
     """How many (query, key) pairs of two chunks the causal mask keeps: key <= query, counted on the host."""
     return sum(max(0, min(k.stop, p + 1) - k.start) for p in q)
+
+
+def with_documents(seen: torch.Tensor | str, q: range, k: range, docs: torch.Tensor | None) -> torch.Tensor | str:
+    """`visibility` with the document condition: a bool [B, Tq, Tk] mask, True where the causal mask keeps the pair
+    and both tokens are of one document (docs: the ids [B, T] of the whole sequence, indexed by global position)."""
+    if docs is None or (isinstance(seen, str) and seen == "none"):
+        return seen
+    same = docs[:, q.start:q.stop, None] == docs[:, None, k.start:k.stop]
+    causal = _mask(seen, len(q), docs.device)
+    return same if causal is None else same & causal
 
 
 def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.Tensor | None:
@@ -139,6 +156,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
     """Scaled scores [B, H_kv, g, Tq, Tk] of grouped queries; masked entries -inf."""
     q = rearrange(q, "b (k g) t d -> b k g t d", k=k.shape[1])
     s = torch.einsum("bkgtd,bksd->bkgts", q, k) * scale
+    if mask is not None and mask.dim() == 3:  # per row: [B, Tq, Tk]
+        mask = mask[:, None, None]
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -215,14 +234,16 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 def forward_pairs(qs: list[torch.Tensor], q_spans: list[range], k: torch.Tensor, v: torch.Tensor,
-                  k_spans: list[range], scale: float, partials: list[Partial | None], work: Work | None = None) -> None:
+                  k_spans: list[range], scale: float, partials: list[Partial | None], work: Work | None = None,
+                  docs: torch.Tensor | None = None) -> None:
     """Merge the attention of every query chunk to every key chunk of (k, v) into `partials`, skipping the pairs
     the causal mask hides entirely. `q_spans`, `k_spans`: each chunk's global positions (k is cut into
-    len(k_spans) equal chunks). Chunk pairs are either wholly visible, wholly hidden, or diagonal."""
+    len(k_spans) equal chunks). Chunk pairs are either wholly visible, wholly hidden, or diagonal; `docs` (the
+    whole sequence's document ids) adds the document condition (`with_documents`)."""
     sizes = [len(span) for span in k_spans]
     for kc, vc, pc in zip(k.split(sizes, dim=2), v.split(sizes, dim=2), k_spans):
         for a, (qc, qp) in enumerate(zip(qs, q_spans)):
-            seen = visibility(qp, pc, qc.device)
+            seen = with_documents(visibility(qp, pc, qc.device), qp, pc, docs)
             if isinstance(seen, str) and seen == "none":
                 continue
             partials[a] = merge(partials[a], attend_block(qc, kc, vc, scale, seen))
@@ -232,7 +253,7 @@ def forward_pairs(qs: list[torch.Tensor], q_spans: list[range], k: torch.Tensor,
 
 def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_spans: list[range], k: torch.Tensor,
                    v: torch.Tensor, k_spans: list[range], outs: list[torch.Tensor], lses: list[torch.Tensor],
-                   deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor]
+                   deltas: list[torch.Tensor], scale: float, dqs: list[torch.Tensor], docs: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same pairs as `forward_pairs`, backwards: add into `dqs` (per query chunk) and return (dk, dv) of this
     block of keys, in the accumulate dtype."""
@@ -241,7 +262,7 @@ def backward_pairs(dos: list[torch.Tensor], qs: list[torch.Tensor], q_spans: lis
         dk = torch.zeros(kc.shape, dtype=dqs[0].dtype, device=kc.device)
         dv = torch.zeros(vc.shape, dtype=dqs[0].dtype, device=vc.device)
         for a, (qc, qp) in enumerate(zip(qs, q_spans)):
-            seen = visibility(qp, pc, qc.device)
+            seen = with_documents(visibility(qp, pc, qc.device), qp, pc, docs)
             if isinstance(seen, str) and seen == "none":
                 continue
             dq_a, dk_a, dv_a = attend_block_backward(dos[a], qc, kc, vc, outs[a], lses[a], scale, seen, deltas[a])
@@ -272,14 +293,14 @@ def deltas_of(dout: torch.Tensor, out: torch.Tensor, sizes: list[int]) -> list[t
 
 class _Blockwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_spans, k_spans, scale, work):
+    def forward(ctx, q, k, v, q_spans, k_spans, scale, work, docs):
         with no_autocast(q):
             qs = list(q.split([len(span) for span in q_spans], dim=2))
             partials: list[Partial | None] = [None] * len(q_spans)
-            forward_pairs(qs, q_spans, k, v, k_spans, scale, partials, work)
+            forward_pairs(qs, q_spans, k, v, k_spans, scale, partials, work, docs)
             out, lse = finish(partials, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spans, ctx.scale = (q_spans, k_spans), scale
+        ctx.spans, ctx.scale, ctx.docs = (q_spans, k_spans), scale, docs
         return out
 
     @staticmethod
@@ -292,8 +313,8 @@ class _Blockwise(torch.autograd.Function):
             dqs = [torch.zeros(qc.shape, dtype=accumulate_dtype(q.dtype), device=q.device) for qc in qs]
             dk, dv = backward_pairs(list(dout.split(sizes, dim=2)), qs, q_spans, k, v, k_spans,
                                     list(out.split(sizes, dim=2)), list(lse.split(sizes, dim=2)),
-                                    deltas_of(dout, out, sizes), ctx.scale, dqs)
-        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                                    deltas_of(dout, out, sizes), ctx.scale, dqs, ctx.docs)
+        return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def equal_spans(length: int, chunks: int) -> list[range]:
@@ -306,13 +327,13 @@ def equal_spans(length: int, chunks: int) -> list[range]:
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                         q_spans: list[range] | None = None, k_spans: list[range] | None = None, q_chunks: int = 1,
-                        k_chunks: int = 1, work: Work | None = None) -> torch.Tensor:
+                        k_chunks: int = 1, work: Work | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention computed block by block with the online softmax, with its own (recomputing) backward.
 
     Queries are cut into `q_chunks` and keys into `k_chunks` equal chunks at positions 0..T−1, or into the chunks
     whose global positions `q_spans` / `k_spans` give (keys all-gathered in shard order: the all-gather variant's
-    kernel)."""
+    kernel). `docs`: the whole sequence's document ids [B, T] (block-diagonal causal)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_spans = equal_spans(q.shape[2], q_chunks) if q_spans is None else q_spans
     k_spans = equal_spans(k.shape[2], k_chunks) if k_spans is None else k_spans
-    return _Blockwise.apply(q, k, v, q_spans, k_spans, scale, work)
+    return _Blockwise.apply(q, k, v, q_spans, k_spans, scale, work, docs)

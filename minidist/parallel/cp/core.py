@@ -33,6 +33,7 @@ from torch import nn
 from minidist.comm.communicator import Comm
 from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
+from minidist.model.documents import Documents
 from minidist.model.moe.layer import MoELayer
 from minidist.parallel.cp.allgather import allgather_attention
 from minidist.parallel.cp.blockwise import Work, in_autocast_dtype
@@ -92,14 +93,17 @@ class ContextParallelAttention(nn.Module):
         self.comm, self.impl, self.layout = comm, impl, layout or LAYOUT_OF[impl]
         self.work = Work()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        """`docs`: the document ids of the whole sequence (every cp rank holds them), None for plain causal."""
         if self.impl in ("ring", "allgather"):  # the blocks on CUDA: FlashAttention in the autocast dtype
             q, k, v = in_autocast_dtype(q, k, v)
+        ids = docs.ids if docs is not None else None
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.comm, self.layout, scale, self.work)
+            return ring_attention(q, k, v, self.comm, self.layout, scale, self.work, ids)
         if self.impl == "allgather":
-            return allgather_attention(q, k, v, self.comm, self.layout, scale, self.work)
-        return ulysses_attention(q, k, v, self.comm, self.layout, scale)
+            return allgather_attention(q, k, v, self.comm, self.layout, scale, self.work, ids)
+        return ulysses_attention(q, k, v, self.comm, self.layout, scale, docs)
 
 
 @dataclass
@@ -110,16 +114,19 @@ class ContextParallel:
     impl: str
     layout: str
 
-    def shard(self, batches: Batches) -> tuple[Batches, list[torch.Tensor]]:
-        """This rank's tokens of every (inputs, targets) [B, T] and their global positions [T/cp]."""
+    def shard(self, batches: Batches, positions: list[torch.Tensor] | None = None
+              ) -> tuple[Batches, list[torch.Tensor]]:
+        """This rank's tokens of every (inputs, targets) [B, T] and their global positions [T/cp], or their share
+        of the given per-row `positions` [B, T] (positions within documents: RoPE's, not causality's)."""
         rank, cp = self.comm.rank, self.comm.size
-        local, positions = [], []
-        for inputs, targets in batches:
+        local, shared = [], []
+        for i, (inputs, targets) in enumerate(batches):
             check_divisible(inputs.shape[1], cp, self.layout)
             local.append((shard_sequence(inputs, rank, cp, self.layout), shard_sequence(targets, rank, cp,
                                                                                         self.layout)))
-            positions.append(shard_positions(inputs.shape[1], rank, cp, self.layout, inputs.device))
-        return local, positions
+            shared.append(shard_positions(inputs.shape[1], rank, cp, self.layout, inputs.device) if positions is None
+                          else shard_sequence(positions[i], rank, cp, self.layout))
+        return local, shared
 
 
 def apply_context_parallel(model: nn.Module, comm: Comm, impl: str = "ring", layout: str | None = None

@@ -49,7 +49,7 @@ def _wait(handles: list) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, layout, scale, work):
+    def forward(ctx, q, k, v, comm, layout, scale, work, docs):
         cp, rank, n = comm.size, comm.rank, chunks_per_rank(layout)
         seq_len = q.shape[2] * cp
         q_spans = shard_spans(seq_len, rank, cp, layout)
@@ -62,13 +62,13 @@ class _RingAttention(torch.autograd.Function):
                 if step < cp - 1:  # the next block travels while this one is computed
                     incoming, handles = _pass_on(comm, block)
                 forward_pairs(qs, q_spans, block[0], block[1], shard_spans(seq_len, source, cp, layout), scale,
-                              partials, work)
+                              partials, work, docs)
                 if step < cp - 1:
                     _wait(handles)
                     block = incoming
             out, lse = finish(partials, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
+        ctx.comm, ctx.layout, ctx.scale, ctx.docs = comm, layout, scale, docs
         return out
 
     @staticmethod
@@ -91,7 +91,8 @@ class _RingAttention(torch.autograd.Function):
                 if step < cp - 1:
                     incoming, handles = _pass_on(comm, block)
                 k_spans = shard_spans(seq_len, source, cp, layout)
-                dk, dv = backward_pairs(dos, qs, q_spans, block[0], block[1], k_spans, outs, lses, deltas, scale, dqs)
+                dk, dv = backward_pairs(dos, qs, q_spans, block[0], block[1], k_spans, outs, lses, deltas, scale, dqs,
+                                        ctx.docs)
                 grads[0] += dk
                 grads[1] += dv
                 # The accumulators of block `source` move on with it; the last hop takes each one home.
@@ -102,14 +103,16 @@ class _RingAttention(torch.autograd.Function):
                 _wait(grad_handles)
                 grads = returned
         dq = torch.cat(dqs, dim=2).to(q.dtype)
-        return dq, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
+        return dq, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
-                   scale: float | None = None, work: Work | None = None) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence held by the ranks of `comm`.
+                   scale: float | None = None, work: Work | None = None, docs: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence held by the ranks of `comm` (within each
+    document with `docs`, the ids [B, T] of the whole sequence: a key block's are indexed by its global spans).
 
     q [B, H, T/cp, d], k [B, H_kv, T/cp, d], v [B, H_kv, T/cp, d_v]: this rank's tokens under `layout`
     ("zigzag" or "contiguous", `minidist.parallel.cp.sharding`). Returns [B, H, T/cp, d_v]."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, comm, layout, scale, work)
+    return _RingAttention.apply(q, k, v, comm, layout, scale, work, docs)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from minidist.comm.communicator import Comm
+from minidist.model.documents import Documents, document_attention
 from minidist.parallel.cp.sharding import shard_all, unshard_all
 
 
@@ -56,11 +57,15 @@ def heads_to_sequence(y: torch.Tensor, comm: Comm, layout: str) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "contiguous",
-                      scale: float | None = None) -> torch.Tensor:
-    """Causal attention of this rank's tokens through a sequence <-> heads all-to-all; shapes as `ring_attention`."""
+                      scale: float | None = None, docs: Documents | None = None) -> torch.Tensor:
+    """Causal attention of this rank's tokens through a sequence <-> heads all-to-all; shapes as `ring_attention`.
+    With `docs` (the whole sequence's, in order: what each rank attends over here) within each document."""
     cp, kv_heads = comm.size, k.shape[1]
     if kv_heads % cp:  # fewer kv heads than ranks: copy each to the ranks whose query heads read it
         k, v = k.repeat_interleave(cp // kv_heads, dim=1), v.repeat_interleave(cp // kv_heads, dim=1)
     q, k, v = (sequence_to_heads(t, comm, layout) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if docs is not None:
+        y = document_attention(q, k, v, docs, scale)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return heads_to_sequence(y, comm, layout)

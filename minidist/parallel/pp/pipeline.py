@@ -63,6 +63,7 @@ from minidist.parallel.pp.zero_bubble import (
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
 sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
+Positions = Docs = list[torch.Tensor] | None  # per micro-batch: positions; document ids (--doc-mask, None: causal)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Validation and partitioning
@@ -141,11 +142,13 @@ class StageModule(Transformer):
         for param in self.parameters():  # the record every reader of the layout uses (norms, checkpoints)
             param.placement = dataclasses.replace(placement_of(param), stage=pp_rank)
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None,
+                      docs: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk 0 takes tokens [B, T], the others hidden states [B, T, d]; the last returns logits."""
         if chunk not in self.layers:
             raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
-        return self(x, positions, blocks=self.layers[chunk], embed=chunk == 0, head=chunk == self.n_chunks - 1)
+        return self(x, positions, docs=docs, blocks=self.layers[chunk], embed=chunk == 0,
+                    head=chunk == self.n_chunks - 1)
 
 
 def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: int = 1,
@@ -168,9 +171,8 @@ def partition_model(model: Transformer, pp_rank: int, pp: int, virtual_stages: i
 
 @dataclass
 class StepStats:
-    # [2] on the compute device: Σ of the token losses of the step's micro-batches (the same on every pipeline
-    # rank), and the MoE balancing losses summed over stages, mean over micro-batches. Kept on the device: the
-    # trainer reads them on its logging steps only; `loss` and `aux_loss` read them now.
+    # [2] on the compute device: Σ of the step's token losses (the same on every pipeline rank) and the MoE balancing
+    # losses (summed over stages, mean over micro-batches); the trainer reads them on logging steps, `loss` now.
     totals: torch.Tensor | None = None
     events: list[Event] = field(default_factory=list)  # this rank's actions, time.perf_counter() start/end
     peak_activation_bytes: int = 0  # most bytes saved for backward alive at once (measure_memory=True)
@@ -208,7 +210,7 @@ class _StepState:
     the backward of each (micro-batch, chunk), the messages, and the running sums."""
 
     batches: list[tuple[torch.Tensor, torch.Tensor]]
-    positions: list[torch.Tensor]
+    positions: list[tuple[torch.Tensor, torch.Tensor | None]]  # per micro-batch: its positions and document ids
     autocast: Callable[[], contextlib.AbstractContextManager]
     no_sync: Callable[[], contextlib.AbstractContextManager] | None
     loss_scale: float | torch.Tensor
@@ -311,12 +313,12 @@ class PipelineRunner:
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
              no_sync: Callable[[], contextlib.AbstractContextManager] | None = None, *,
-             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
+             loss_scale: float | torch.Tensor, positions: Positions = None, docs: Docs = None) -> StepStats:
         """Forward and backward every micro-batch (inputs, targets) by the schedule; return the step's stats.
 
         Every pipeline rank passes the same micro-batches: chunk 0 reads the inputs, the last chunk the targets.
         Every stage gets `positions[m]` for micro-batch m (default 0..T−1, T = the inputs' length; context
-        parallelism passes its shard's global positions), whatever shape its hidden states have.
+        parallelism passes its shard's global positions), whatever its hidden states' shape, and `docs[m]` if any.
         Each micro-batch backpropagates `loss_fn(logits, targets) * loss_scale` (plus its MoE balancing losses / m);
         pass loss_scale = data-parallel replicas / counted targets of the global batch, and divide the returned
         `loss` (a sum) by that count. `no_sync` (e.g. `DataParallel.no_sync`): every backward of this rank but its
@@ -324,27 +326,26 @@ class PipelineRunner:
         """
         if len(batches) != self.microbatches:
             raise ValueError(f"the runner was built for {self.microbatches} micro-batches, got {len(batches)}")
-        return self._run(self.actions, self.program, batches, autocast, no_sync, loss_scale, positions)
+        return self._run(self.actions, self.program, batches, autocast, no_sync, loss_scale, positions, docs)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 positions: list[torch.Tensor] | None = None) -> float:
+                 positions: Positions = None, docs: Docs = None) -> float:
         """The SUM of the token losses over `batches` (any number of micro-batches), forwards only; the same on every
         rank. Divide by the number of counted targets for the mean."""
         schedules = forward_only(self.pp, len(batches), self.stage.virtual_stages, self.stage.v_shape)
-        rank = self.stage.pp_rank
-        return self._run(schedules[rank], p2p_program(schedules)[rank], batches, autocast, None, 1.0, positions).loss
+        actions, program = schedules[self.stage.pp_rank], p2p_program(schedules)[self.stage.pp_rank]
+        return self._run(actions, program, batches, autocast, None, 1.0, positions, docs).loss
 
     def _run(self, actions: list[Action], program: list[Planned], batches: list[tuple[torch.Tensor, torch.Tensor]],
              autocast: Callable[[], contextlib.AbstractContextManager],
              no_sync: Callable[[], contextlib.AbstractContextManager] | None,
-             loss_scale: float | torch.Tensor, positions: list[torch.Tensor] | None = None) -> StepStats:
+             loss_scale: float | torch.Tensor, positions: Positions = None, docs: Docs = None) -> StepStats:
         """Run `actions`, each after the program's posts and waits due before it, then wait for the last sends."""
         device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
-        if positions is None:
-            positions = [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
-        s = _StepState(batches, positions, autocast, no_sync, loss_scale,
+        positions = positions or [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
+        s = _StepState(batches, list(zip(positions, docs or [None] * len(batches))), autocast, no_sync, loss_scale,
                        wire=InFlight(self.comm, self.activation_dtype, device), chunks=self.stage.chunks,
                        last_backward=next((a for a in reversed(actions) if a.kind == W), None)
                        or next((a for a in reversed(actions) if a.kind == B), None),
@@ -385,7 +386,7 @@ class PipelineRunner:
         tokens, targets = s.batches[a.mb]
         x = tokens if a.chunk == 0 else s.inputs[key]
         with s.autocast(), (self.saved.count() if self.saved else contextlib.nullcontext()):
-            out = stage.forward_chunk(a.chunk, x, s.positions[a.mb])
+            out = stage.forward_chunk(a.chunk, x, *s.positions[a.mb])
             if is_last:
                 out = stage.loss_fn(out, targets)
             chunk_aux = stage.aux_loss(stage.layers[a.chunk]) if self.with_aux else None
