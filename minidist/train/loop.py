@@ -41,7 +41,8 @@ from torch import nn
 from minidist import flops, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
-from minidist.data.corpus import BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.data.corpus import Corpus, load_corpus, unigram_entropy_nats
+from minidist.data.sampler import BatchSampler
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
