@@ -163,3 +163,21 @@ def resolve_tokenizer(spec: str, texts: Iterable[str] | None = None, eod_token: 
 
 def describe(tok: TextTokenizer) -> str:
     return f"{tok.spec} (vocabulary {tok.vocab_size:,}, end of document id {tok.eod_id})"
+
+
+# Worker side of `minidist.data.prepare`: this module imports no torch, so a spawned worker starts fast.
+_WORKER_TOKENIZER: TextTokenizer | None = None
+
+
+def worker_init(tok: TextTokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tok
+
+
+def worker_encode(piece: tuple[str, int, int]) -> np.ndarray:
+    """The ids of bytes [start, end) of a file, with the tokenizer `worker_init` gave this process."""
+    path, start, end = piece
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    return _WORKER_TOKENIZER.encode(data)
