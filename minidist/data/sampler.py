@@ -43,7 +43,7 @@ class BatchSampler:
         if not (tensor or isinstance(tokens, TokenSource)) or (tensor and tokens.dim() != 1):
             raise ValueError(f"tokens must be a 1-D tensor or a token source (numel, windows), got "
                              f"{getattr(tokens, 'shape', type(tokens).__name__)}")
-        if tensor and tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        if tensor and (tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool):
             raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
         for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
