@@ -254,3 +254,25 @@ def test_a_rank_memory_does_not_grow_with_the_dataset(tmp_path):
         assert inputs.shape == (32, 256) and int(inputs.max()) == 0
     assert stream.tokens_read == 3 * 32 * 257
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 * 1024  # < 64 MiB more, of 4 GiB
+
+
+def test_max_bytes_on_a_directory_reads_only_what_it_keeps(corpus_dir, tmp_path):
+    """A text source (the trainer's in-memory path): a 1 GiB file (text, then a sparse hole) in the directory is
+    never read whole when --max-bytes keeps 2,000 bytes; the data is the head of the uncapped corpus's splits."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.py", "notes/c.txt"):
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_bytes((corpus_dir / name).read_bytes())
+    with open(src / "huge.txt", "wb") as f:
+        f.write(b"text at the head of a huge file\n" * 300)
+        f.truncate(2**30)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    capped = load_corpus(str(src), val_fraction=0.3, max_bytes=2000)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 * 1024  # KiB: far below the 1 GiB
+    assert capped.train.numel() + capped.val.numel() == 2000 and "capped at max_bytes=2,000" in capped.description
+    (src / "huge.txt").write_bytes(b"text at the head of a huge file\n" * 300)  # same split order, readable whole
+    whole = load_corpus(str(src), val_fraction=0.3)
+    assert capped.val_files == whole.val_files
+    assert torch.equal(capped.train, whole.train[: capped.train.numel()])
+    assert torch.equal(capped.val, whole.val[: capped.val.numel()])

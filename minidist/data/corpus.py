@@ -140,21 +140,21 @@ def _files_word(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Split:
-    train: bytes | memoryview  # a view of a mapped file until the cap is applied (`_mapped`)
-    val: bytes | memoryview
+    train: bytes | memoryview | _Joined  # a view of a mapped file, or files not read yet, until the cap is applied
+    val: bytes | memoryview | _Joined
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
     summary: str  # "N files, X MB (train ... / val ...)"
 
 
-def _split_files(names: Sequence[str], blobs: Sequence[bytes], val_fraction: float) -> _Split:
+def _split_files(names: Sequence[str], blobs: Sequence[bytes | _File], val_fraction: float) -> _Split:
     if len(names) == 1:
-        return _split_bytes(names[0], blobs[0], val_fraction, unit="bytes")
+        one = _mapped(blobs[0].path) if isinstance(blobs[0], _File) else blobs[0]
+        return _split_bytes(names[0], one, val_fraction, unit="bytes")
     val_idx = _val_file_indices(names, [len(b) for b in blobs], val_fraction)
     tr = [i for i in range(len(names)) if i not in val_idx]
     va = sorted(val_idx)
-    train = FILE_SEPARATOR.join(blobs[i] for i in tr)
-    val = FILE_SEPARATOR.join(blobs[i] for i in va)
+    train, val = _join([blobs[i] for i in tr]), _join([blobs[i] for i in va])
     total = sum(len(b) for b in blobs)
     summary = (
         f"{_files_word(len(names))}, {_fmt_size(total)} (train {_files_word(len(tr))} {_fmt_size(len(train))}"
@@ -201,8 +201,52 @@ def _is_binary(data: bytes) -> bool:
     return b"\0" in data[:_BINARY_SNIFF_BYTES]
 
 
-def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
-    names, blobs = [], []
+class _File:
+    """A file of a directory or glob source, not read yet: its size is all the split needs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.size = path, os.stat(path).st_size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _Joined:
+    """Files joined by FILE_SEPARATOR, read only when converted to bytes and only up to `limit`: --max-bytes (a head
+    slice, `_cap_user_split`) reads what it keeps, not the whole directory."""
+
+    def __init__(self, files: Sequence[_File], limit: int | None = None) -> None:
+        full = sum(f.size for f in files) + len(FILE_SEPARATOR) * max(len(files) - 1, 0)
+        self.files, self.limit = list(files), full if limit is None else min(limit, full)
+
+    def __len__(self) -> int:
+        return self.limit
+
+    def __getitem__(self, cut: slice) -> _Joined:
+        if not isinstance(cut, slice) or cut.start not in (None, 0) or cut.step is not None or cut.stop is None:
+            raise TypeError("a joined file list is cut only at its head: [:n]")
+        return _Joined(self.files, max(cut.stop, 0))
+
+    def __bytes__(self) -> bytes:
+        out = bytearray()
+        for i, f in enumerate(self.files):
+            if i:
+                out += FILE_SEPARATOR
+            if len(out) >= self.limit:
+                break
+            with open(f.path, "rb") as handle:
+                out += handle.read(self.limit - len(out))
+        return bytes(out[: self.limit])
+
+
+def _join(blobs: Sequence[bytes | _File]) -> bytes | _Joined:
+    if all(isinstance(b, _File) for b in blobs) and blobs:
+        return _Joined(blobs)
+    return FILE_SEPARATOR.join(blobs)
+
+
+def _list_directory(root: Path) -> tuple[list[str], list[_File]]:
+    names, files = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for fname in filenames:
@@ -214,12 +258,13 @@ def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
             except UnicodeEncodeError:
                 raise ValueError(f"data file {str(path).encode('utf-8', 'surrogateescape')!r} has a name that is not "
                                  "UTF-8; rename it or move it out of the directory") from None
-            data = path.read_bytes()
-            if not _is_binary(data):
+            with open(path, "rb") as f:
+                head = f.read(_BINARY_SNIFF_BYTES)
+            if not _is_binary(head):
                 names.append(path.relative_to(root).as_posix())
-                blobs.append(data)
+                files.append(_File(path))
     order = sorted(range(len(names)), key=names.__getitem__)
-    return [names[i] for i in order], [blobs[i] for i in order]
+    return [names[i] for i in order], [files[i] for i in order]
 
 
 def _load_npy(path: Path) -> bytes:
@@ -234,11 +279,11 @@ def _load_npy(path: Path) -> bytes:
     return arr.astype(np.uint8).tobytes()
 
 
-def _to_tensor(data: bytes) -> torch.Tensor:
+def _to_tensor(data: bytes | memoryview | _Joined) -> torch.Tensor:
     # bytearray gives torch a writable buffer it owns: the cached bytes stay untouched whatever callers do.
     if not data:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(bytes(data) if isinstance(data, _Joined) else data), dtype=torch.uint8)
 
 
 def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
@@ -274,7 +319,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
                     f"data source {source!r} matches no files; pass a text file, a directory of text files, "
                     "a .bin file, or 'stdlib'"
                 )
-            split = _split_files(matches, [Path(p).read_bytes() for p in matches], val_fraction)
+            split = _split_files(matches, [_File(Path(p)) for p in matches], val_fraction)
             return split, f"files matching {source!r}: {split.summary}"
         raise ValueError(
             f"data source {source!r} does not exist; pass a text file, a directory of text files, a .bin file, "
@@ -283,7 +328,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
     if not path.is_dir() and not path.is_file():  # a FIFO blocks a read forever, /dev/zero never ends
         raise ValueError(f"data source {source!r} is not a regular file or a directory (a FIFO or a device?)")
     if path.is_dir():
-        names, blobs = _read_directory(path)
+        names, blobs = _list_directory(path)
         if not names:
             raise ValueError(f"data source {source!r} is a directory with no text files (hidden and binary skipped)")
         split = _split_files(names, blobs, val_fraction)
