@@ -1,14 +1,20 @@
-"""A split of a prepared dataset as one token stream over memory-mapped shard files.
+"""A split of a prepared dataset as one token stream over its shard files, read row by row.
 
 `TokenShards` is what `BatchSampler` samples windows from when the data is on disk: `numel()` tokens, and
 `windows(offsets, length)`, the rows [offsets[i], offsets[i] + length) of the stream, which may straddle a shard
-boundary. Nothing is read at open: each shard is mapped (np.memmap) the first time a window touches it, and a window
-copies only its own tokens, so a rank's memory holds its micro-batch rows and the pages the OS caches, whatever the
-size of the dataset. `tokens_read` counts the tokens copied out of the maps (the tests hold the sampler to it).
+boundary. Nothing is read at open, and a window reads only its own bytes, with `os.pread` (a positional read: no
+shared file offset): a rank's memory holds its micro-batch rows whatever the size of the dataset, and the OS page
+cache (shared by the ranks of a machine) serves repeated reads. Why not a memory map: the pages a map touches count
+in the process's resident memory, and on the machine this was measured on a fault mapped far more than its page
+(the page cache's large folios; MADV_RANDOM did not help): 200 steps of the default batch (16 x 129 tokens) from a
+1 GB dataset raised a rank's RSS by 980 MB through a map, by nothing measurable through pread (bench/data.py).
+`tokens_read` counts the tokens read (the tests hold the sampler to it).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,21 +28,41 @@ class TokenShards:
     def __init__(self, paths: Sequence[Path], counts: Sequence[int], dtype: np.dtype) -> None:
         if len(paths) != len(counts):
             raise ValueError(f"{len(paths)} shard files but {len(counts)} token counts")
-        kept = [(Path(p), int(n)) for p, n in zip(paths, counts) if n > 0]  # an empty file cannot be mapped
+        kept = [(Path(p), int(n)) for p, n in zip(paths, counts) if n > 0]  # an empty shard holds no row
         self.paths = [p for p, _ in kept]
         self.counts = [n for _, n in kept]
         self.dtype = np.dtype(dtype)
         self.ends = np.cumsum(self.counts, dtype=np.int64) if kept else np.zeros(0, dtype=np.int64)
-        self._maps: dict[int, np.memmap] = {}
+        self._fds: dict[int, int] = {}
         self.tokens_read = 0
 
     def numel(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
 
-    def _shard(self, i: int) -> np.memmap:
-        if i not in self._maps:
-            self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r", shape=(self.counts[i],))
-        return self._maps[i]
+    def _fd(self, i: int) -> int:
+        if i not in self._fds:
+            fd = os.open(self.paths[i], os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block an open without it
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ValueError(f"shard {str(self.paths[i])!r} is not a regular file (a FIFO or a device?)")
+            self._fds[i] = fd
+        return self._fds[i]
+
+    def _pread(self, i: int, lo: int, n: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = os.pread(self._fd(i), n * size, lo * size)
+        if len(data) != n * size:
+            raise ValueError(f"shard {str(self.paths[i])!r} ended at byte {lo * size + len(data):,}, before its "
+                             f"{self.counts[i]:,} tokens (shortened since the dataset was opened?)")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def close(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self) -> None:
+        self.close()
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream as int64, across shard boundaries."""
@@ -49,7 +75,7 @@ class TokenShards:
             first = int(self.ends[shard - 1]) if shard else 0
             lo = start + done - first
             take = min(length - done, self.counts[shard] - lo)
-            out[done : done + take] = self._shard(shard)[lo : lo + take]
+            out[done : done + take] = self._pread(shard, lo, take)
             done += take
             shard += 1
         self.tokens_read += length
