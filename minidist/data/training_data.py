@@ -52,10 +52,11 @@ def load_training_data(source: str | None, val_fraction: float = 0.05, max_bytes
         ds = open_dataset(source, verify=verify)
         splits = ds.manifest["splits"]
         val = ds.splits.get("val")
+        val = val if val is not None else torch.empty(0, dtype=torch.uint8, device="cpu")  # none: no evaluation
         desc = (f"prepared dataset {source} ({ds.manifest['tokenizer'].get('spec', '?')}, vocabulary "
                 f"{ds.vocab_size:,}): {ds.manifest.get('source', '?')}")
-        return TrainingData(ds.splits["train"], val if val is not None else torch.empty(0, dtype=torch.uint8),
-                            desc, float(splits["train"].get("unigram_entropy_nats", float("nan"))), ds.tokenizer_json,
+        entropy = float(splits["train"].get("unigram_entropy_nats", float("nan")))
+        return TrainingData(ds.splits["train"], val, desc, entropy, ds.tokenizer_json,
                             ds.vocab_size, ds.eod_id, ds.manifest_sha256)
     corpus = load_corpus(None if source == "stdlib" else source, val_fraction, max_bytes)
     tok = byte_tokenizer()
