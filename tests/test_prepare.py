@@ -59,6 +59,14 @@ def test_the_byte_tokenizer_json_gives_the_byte_values():
     assert (tok.vocab_size, tok.eod_id, rust.get_vocab_size()) == (256, FILE_SEPARATOR[0], 256)
 
 
+def test_transformers_loads_the_byte_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")  # the bench extra (make test installs it)
+    (tmp_path / "tokenizer.json").write_text(tokenizer.byte_tokenizer().json)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "héllo wörld\n\x1c def f(): 日本"
+    assert hf(text)["input_ids"] == list(text.encode()) and hf.decode(list(text.encode())) == text
+
+
 def test_bpe_training_is_deterministic_and_padded_to_the_asked_vocabulary():
     texts = list(TEXTS.values())
     one, two = tokenizer.train_bpe(texts, 400), tokenizer.train_bpe(texts, 400)
