@@ -146,6 +146,14 @@ def test_prepare_refuses_a_used_out_and_overwrites_only_a_dataset(corpus_dir, tm
     with pytest.raises(ValueError, match="not empty"):
         prepare.prepare(str(corpus_dir), "bytes", tmp_path / "ds", progress=False)
     prepare.prepare(str(corpus_dir), "bytes", tmp_path / "ds", overwrite=True, progress=False)
+    inside = corpus_dir / "data"  # a dataset inside its own source: its files are no documents the next time
+    first = prepare.prepare(str(corpus_dir), "bytes", inside, progress=False)
+    try:
+        assert prepare.prepare(str(corpus_dir), "bytes", inside, overwrite=True, progress=False) == first
+    finally:
+        for p in inside.iterdir():
+            p.unlink()
+        inside.rmdir()
     (tmp_path / "ds" / "mine.txt").write_text("a user's file")
     with pytest.raises(ValueError, match="no dataset's"):
         prepare.prepare(str(corpus_dir), "bytes", tmp_path / "ds", overwrite=True, progress=False)

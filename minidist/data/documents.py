@@ -100,11 +100,17 @@ def _pieces(path: Path, start: int, end: int) -> list[Piece]:
     return [Piece(str(path), a, b, last=b == end) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def list_pieces(source: str, val_fraction: float, max_bytes: int | None = None) -> Listing:
-    """The pieces of each split in order (module docstring); one-line ValueError for a bad source."""
+def list_pieces(source: str, val_fraction: float, max_bytes: int | None = None,
+                exclude: Path | None = None) -> Listing:
+    """The pieces of each split in order (module docstring); one-line ValueError for a bad source. Files under
+    `exclude` (the dataset being written, when it lies inside the source) are no documents."""
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     files, desc = list_files(source)
+    if exclude is not None:
+        files = [(n, p) for n, p in files if not p.resolve().is_relative_to(exclude.resolve())]
+        if not files:
+            raise ValueError(f"data source {source!r} holds no documents outside --out {str(exclude)!r}")
     names, paths, sizes, total = [], [], [], 0
     for name, path in files:
         size = _regular_size(path, source)

@@ -152,7 +152,7 @@ def prepare(source: str, tokenizer: str = "bytes", out: str | Path = "data", *, 
     if shard_tokens < 1 or (max_bytes is not None and max_bytes < 1):
         raise ValueError(f"shard_tokens and max_bytes must be >= 1, got {shard_tokens} and {max_bytes}")
     out = Path(out)
-    listing = list_pieces(source, val_fraction, max_bytes)
+    listing = list_pieces(source, val_fraction, max_bytes, exclude=out)
     check_out(out, overwrite)
     tok = tokenizers.resolve_tokenizer(tokenizer, _texts(listing.train), eod_token)
     (out / "tokenizer.json").write_text(tok.json, encoding="utf-8")
