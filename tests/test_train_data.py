@@ -1,7 +1,8 @@
 """The trainer on a prepared dataset (`--data DATA_DIR`, minidist.data.training_data): a real vocabulary end to end
 (a 32,768-token BPE: the vocab-parallel loss under tp 2, a pipeline of 2 stages and the chunked loss each log the
 one-process run), the model's vocabulary following the tokenizer's, OUT/tokenizer.json, and a resume that refuses
-a different dataset. One launch of 2 ranks runs both parallel layouts."""
+a different dataset. One launch of 2 ranks runs both parallel layouts, under the device sentinel
+(tests/device_sentinel.py)."""
 
 import functools
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trainer_parity
+from device_sentinel import device_sentinel
 
 from minidist.comm.launch import run_ranks
 from minidist.data import prepare, tokenizer
@@ -51,7 +53,8 @@ def reference(data, tmp_path_factory) -> tuple[str, list[dict]]:
 
 
 def _rank_layouts(root: str, data: str) -> dict:
-    return trainer_parity.train_layouts(root, LAYOUTS, functools.partial(config, data=data))
+    with device_sentinel():  # a tensor of the data path made without device= fails here, as on a GPU
+        return trainer_parity.train_layouts(root, LAYOUTS, functools.partial(config, data=data))
 
 
 def test_a_32k_vocabulary_runs_tp_and_pp_as_one_process(data, reference, tmp_path):
