@@ -304,3 +304,13 @@ def test_prepare_refuses_a_source_it_cannot_read_in_one_line(tmp_path, source):
     with pytest.raises(ValueError, match="not a regular file|holds tokens already|does not exist") as err:
         prepare.prepare(path, "bytes", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()  # refused before --out is touched
+
+
+def test_a_vocabulary_above_65536_is_stored_as_uint32(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXTS["notes/b.md"])
+    m = prepare.prepare(str(tmp_path / "a.txt"), "bpe:70000", tmp_path / "out", val_fraction=0, progress=False)
+    ds = dataset.open_dataset(tmp_path / "out")
+    assert m["dtype"] == "uint32" and (tmp_path / "out" / "train_00000.bin").stat().st_size == 4 * m["splits"][
+        "train"]["tokens"]
+    ids = ds.splits["train"].read(0, ds.splits["train"].numel())
+    assert tokenizer.load_tokenizer_json(tmp_path / "out").decode(ids[:-1]) == TEXTS["notes/b.md"] and ids[-1] == 0
