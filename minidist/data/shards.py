@@ -13,6 +13,8 @@ in the process's resident memory, and on the machine this was measured on a faul
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import stat
 from collections.abc import Sequence
@@ -32,12 +34,12 @@ class TokenShards:
         self.paths = [p for p, _ in kept]
         self.counts = [n for _, n in kept]
         self.dtype = np.dtype(dtype)
-        self.ends = np.cumsum(self.counts, dtype=np.int64) if kept else np.zeros(0, dtype=np.int64)
+        self.ends = list(itertools.accumulate(self.counts))  # Python ints: a scalar bisect is faster than numpy's
         self._fds: dict[int, int] = {}
         self.tokens_read = 0
 
     def numel(self) -> int:
-        return int(self.ends[-1]) if len(self.ends) else 0
+        return self.ends[-1] if self.ends else 0
 
     def _fd(self, i: int) -> int:
         if i not in self._fds:
@@ -48,13 +50,13 @@ class TokenShards:
             self._fds[i] = fd
         return self._fds[i]
 
-    def _pread(self, i: int, lo: int, n: int) -> np.ndarray:
+    def _pread_into(self, i: int, lo: int, row: np.ndarray) -> None:
+        """Tokens [lo, lo + len(row)) of shard i straight into `row` (no intermediate bytes object)."""
         size = self.dtype.itemsize
-        data = os.pread(self._fd(i), n * size, lo * size)
-        if len(data) != n * size:
-            raise ValueError(f"shard {str(self.paths[i])!r} ended at byte {lo * size + len(data):,}, before its "
+        got = os.preadv(self._fd(i), [row], lo * size)
+        if got != row.nbytes:
+            raise ValueError(f"shard {str(self.paths[i])!r} ended at byte {lo * size + got:,}, before its "
                              f"{self.counts[i]:,} tokens (shortened since the dataset was opened?)")
-        return np.frombuffer(data, dtype=self.dtype)
 
     def close(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
@@ -64,29 +66,34 @@ class TokenShards:
     def __del__(self) -> None:
         self.close()
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the stream as int64, across shard boundaries."""
+    def _read_into(self, start: int, row: np.ndarray) -> None:
+        """Tokens [start, start + len(row)) of the stream into `row` (this split's dtype), across shard ends."""
+        length = len(row)
         if not 0 <= start and start + length <= self.numel():
             raise ValueError(f"tokens [{start}, {start + length}) lie outside the {self.numel():,} of these shards")
-        out = np.empty(length, dtype=np.int64)
         done = 0
-        shard = int(np.searchsorted(self.ends, start, side="right"))
+        shard = bisect.bisect_right(self.ends, start)
         while done < length:
-            first = int(self.ends[shard - 1]) if shard else 0
+            first = self.ends[shard - 1] if shard else 0
             lo = start + done - first
             take = min(length - done, self.counts[shard] - lo)
-            out[done : done + take] = self._pread(shard, lo, take)
+            self._pread_into(shard, lo, row[done : done + take])
             done += take
             shard += 1
         self.tokens_read += length
-        return out
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream as int64, across shard boundaries."""
+        row = np.empty(length, dtype=self.dtype)
+        self._read_into(start, row)
+        return row.astype(np.int64)
 
     def windows(self, offsets: torch.Tensor, length: int) -> torch.Tensor:
         """int64 [len(offsets), length]: row i is tokens [offsets[i], offsets[i] + length), on the CPU."""
-        rows = [self.read(int(o), length) for o in offsets.tolist()]
-        if not rows:
-            return torch.empty(0, length, dtype=torch.int64, device="cpu")
-        return torch.from_numpy(np.stack(rows))
+        rows = np.empty((len(offsets), length), dtype=self.dtype)
+        for row, start in zip(rows, offsets.tolist()):
+            self._read_into(start, row)
+        return torch.from_numpy(rows.astype(np.int64))
 
     def __len__(self) -> int:
         return self.numel()
