@@ -8,7 +8,7 @@ its tokens times the item size; each document index the right size, its last end
 shard shorter than its index fails). With `verify=True` (the trainer's choice) it then hashes every file it names,
 each read in chunks up to its recorded size, against the manifest's SHA-256, as a checkpoint is verified. The
 cost, measured: hashlib's SHA-256 runs at 1.1 GB/s on one core of the 2-core machine this was written on, and
-`bench/data.py` opened a 1 GB dataset in 2.7 s (under load): a 50 GB dataset costs each rank one to two minutes at
+`bench/data.py` opened a 1 GB dataset in 1.0-2.7 s (under load): a 50 GB dataset costs each rank one to two minutes at
 start, small beside a run on it, and a damaged shard is then a one-line error on every rank before any step, never a
 silent difference. `python -m minidist.data verify DIR` runs the same check on its own. `manifest_sha256` (the
 manifest file's hash, which covers every file through the hashes it records) and `tokenizer_sha256` identify the

@@ -123,7 +123,7 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def load_data(cfg: TrainConfig) -> TrainingData:
-    """--data: a text source read into memory, or a prepared dataset mapped (minidist.data.training_data)."""
+    """--data: a text source read into memory, or a prepared dataset read row by row (minidist.data.training_data)."""
     try:
         corpus = load_training_data(cfg.data, cfg.val_fraction, cfg.max_bytes)
     except ValueError as e:
