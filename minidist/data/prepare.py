@@ -9,7 +9,8 @@ stream, its EOD token included. Documents, pieces and the split: `minidist.data.
 
 Determinism: pieces are tokenized in worker processes (`workers`, spawned) but collected in input order, so the
 shards, the index and the manifest are the same bytes whatever the number of workers (tests/test_prepare.py). The
-manifest is written last: a directory without one is no dataset (an interrupted prepare leaves none).
+manifest is written last: a directory without one is no dataset (an interrupted prepare leaves none). Called from a
+script with workers > 1, call it under ``if __name__ == "__main__":`` (spawned workers import the main module).
 """
 
 from __future__ import annotations

@@ -138,6 +138,7 @@ def load_tokenizer_json(path: str | Path, eod_token: str | None = None, spec: st
 
 
 def from_tokenizer(tok, text: str, spec: str, eod_token: str | None = None) -> TextTokenizer:  # noqa: ANN001
+    """A loaded `tokenizers.Tokenizer` (`tok`, from JSON `text`) with its vocabulary size and EOD id."""
     if text == byte_tokenizer().json:
         return byte_tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -159,10 +160,6 @@ def resolve_tokenizer(spec: str, texts: Iterable[str] | None = None, eod_token: 
             raise ValueError(f"tokenizer {spec!r} is trained on a corpus: pass the texts")
         return train_bpe(texts, vocab)
     return load_tokenizer_json(spec, eod_token)
-
-
-def describe(tok: TextTokenizer) -> str:
-    return f"{tok.spec} (vocabulary {tok.vocab_size:,}, end of document id {tok.eod_id})"
 
 
 # Worker side of `minidist.data.prepare`: this module imports no torch, so a spawned worker starts fast.
