@@ -294,14 +294,17 @@ def test_max_bytes_on_a_directory_reads_only_what_it_keeps(corpus_dir, tmp_path)
     assert torch.equal(capped.val, whole.val[: capped.val.numel()])
 
 
-@pytest.mark.parametrize("source", ["fifo", "/dev/zero", "tokens.bin", "missing"])
+@pytest.mark.parametrize("source", ["fifo", "/dev/zero", "tokens.bin", "missing", "empty"])
 def test_prepare_refuses_a_source_it_cannot_read_in_one_line(tmp_path, source):
     if source == "fifo":
         os.mkfifo(tmp_path / "fifo")
     if source == "tokens.bin":
         (tmp_path / "tokens.bin").write_bytes(b"abc")
+    if source == "empty":
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "a.txt").write_text("")
     path = source if source.startswith("/") else str(tmp_path / source)
-    with pytest.raises(ValueError, match="not a regular file|holds tokens already|does not exist") as err:
+    with pytest.raises(ValueError, match="not a regular file|holds tokens already|does not exist|holds no text") as err:
         prepare.prepare(path, "bytes", tmp_path / "out", progress=False)
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()  # refused before --out is touched
 

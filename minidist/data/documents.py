@@ -123,6 +123,8 @@ def list_pieces(source: str, val_fraction: float, max_bytes: int | None = None,
         if max_bytes is not None and total >= max_bytes:
             desc += f", capped at max_bytes={max_bytes:,}"
             break
+    if total == 0:
+        raise ValueError(f"data source {source!r} holds no text (its {len(names)} file(s) are empty)")
     if len(names) == 1:
         n = sizes[0]
         n_val = min(max(round(n * val_fraction), 1), n - 1) if val_fraction > 0 and n >= 2 else 0
@@ -132,4 +134,6 @@ def list_pieces(source: str, val_fraction: float, max_bytes: int | None = None,
     val_idx = _val_file_indices(names, sizes, val_fraction)
     train = [p for i in range(len(names)) if i not in val_idx and sizes[i] for p in _pieces(paths[i], 0, sizes[i])]
     val = [p for i in sorted(val_idx) if sizes[i] for p in _pieces(paths[i], 0, sizes[i])]
+    if not train:
+        raise ValueError(f"data source {source!r}: every non-empty file went to validation; lower --val-fraction")
     return Listing(train, val, sum(p.last for p in train), sum(p.last for p in val), desc)
