@@ -1,11 +1,12 @@
 """The trainer on a prepared dataset (`--data DATA_DIR`, minidist.data.training_data): a real vocabulary end to end
 (a 32,768-token BPE: the vocab-parallel loss under tp 2, a pipeline of 2 stages and the chunked loss each log the
 one-process run), the model's vocabulary following the tokenizer's, OUT/tokenizer.json, and a resume that refuses
-a different dataset. One launch of 2 ranks runs both parallel layouts, under the device sentinel
-(tests/device_sentinel.py)."""
+a different dataset (and takes the same one moved). One launch of 2 ranks runs both parallel layouts, under the
+device sentinel (tests/device_sentinel.py)."""
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,15 +91,17 @@ def test_a_vocabulary_that_differs_from_the_data_is_refused(data, tmp_path):
         check_config(config(str(tmp_path), data, max_bytes=1000))
 
 
-def test_a_resume_refuses_another_dataset_in_the_same_place(tmp_path):
+def test_a_resume_refuses_another_dataset_in_the_same_place_and_takes_it_moved(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text(TEXT)
     prepare.prepare(str(src), "bytes", tmp_path / "data", val_fraction=0, progress=False)
     out, small = str(tmp_path / "run"), dict(steps=2, eval_every=0)
     train.train(config(out, str(tmp_path / "data"), stop_after=1, **small))
+    shutil.copytree(tmp_path / "data", tmp_path / "moved")  # the same dataset elsewhere (a node's local disk)
     (src / "a.txt").write_text(TEXT.upper())  # the same path, other tokens
     prepare.prepare(str(src), "bytes", tmp_path / "data", val_fraction=0, overwrite=True, progress=False)
     with pytest.raises(ConfigError, match="data differs from the checkpoint's: dataset") as err:
         train.train(config(out, str(tmp_path / "data"), resume=True, **small))
     assert "\n" not in str(err.value)
+    assert train.train(config(out, str(tmp_path / "moved"), resume=True, **small))["resumed_from"] == 1

@@ -83,7 +83,10 @@ def restore_run(run: Run) -> int | None:
         raise ValueError(f"the checkpoint is at step {step}, already at or past --stop-after {run.cfg.stop_after}")
     meta = checkpoint.load_meta(root, step)
     saved = meta.get("config")
-    check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
+    saved = saved if isinstance(saved, dict) else {}
+    if _both_datasets(meta.get("data"), run.info["data_identity"]):  # moved (e.g. to a node's local disk): the
+        saved = {**saved, "data": run.cfg.data}  # manifest's SHA-256 identifies a dataset, wherever it lies
+    check_same_run(saved, config_to_values(run.cfg))
     check_same_data(meta.get("data"), run.info["data_identity"])
     same = same_layout(meta, run)
     changed = restore_pieces(run, checkpoint_dir(root, step), meta, same)
@@ -131,6 +134,10 @@ def check_same_run(saved: dict, now: dict) -> None:
     diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in SAME_RUN_KEYS if saved.get(k) != now[k]]
     if diffs:
         raise ValueError(f"settings differ from the checkpoint's: {'; '.join(diffs)}")
+
+
+def _both_datasets(saved: object, now: dict) -> bool:
+    return isinstance(saved, dict) and saved.get("manifest_sha256") is not None and now["manifest_sha256"] is not None
 
 
 def check_same_data(saved: object, now: dict) -> None:
