@@ -317,3 +317,15 @@ def test_a_vocabulary_above_65536_is_stored_as_uint32(tmp_path):
         "train"]["tokens"]
     ids = ds.splits["train"].read(0, ds.splits["train"].numel())
     assert tokenizer.load_tokenizer_json(tmp_path / "out").decode(ids[:-1]) == TEXTS["notes/b.md"] and ids[-1] == 0
+
+
+def test_max_bytes_on_a_npy_file_reads_only_what_it_keeps(tmp_path):
+    """A 1 GiB .npy of int64 token ids (sparse: zeros) with --max-bytes 1000: mapped, the kept ids alone read."""
+    arr = np.lib.format.open_memmap(tmp_path / "tokens.npy", mode="w+", dtype=np.int64, shape=(2**27,))
+    arr[:10] = np.arange(10)
+    arr.flush()
+    del arr
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    capped = load_corpus(str(tmp_path / "tokens.npy"), val_fraction=0.1, max_bytes=1000)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 * 1024  # KiB: far below the 1 GiB
+    assert capped.train.numel() + capped.val.numel() == 1000 and capped.train[:10].tolist() == list(range(10))

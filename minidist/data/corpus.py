@@ -1,4 +1,5 @@
-"""Data: a byte tokenizer, a corpus that needs no download, and a deterministic, resumable batch sampler.
+"""Text sources read as bytes: a byte tokenizer and a corpus that needs no download (the sampler: `sampler.py`;
+tokenized datasets on disk: `prepare.py`, `dataset.py`).
 
 Tokens are bytes (vocabulary 256), so tokenizing is the identity on UTF-8 bytes and a corpus is a uint8 tensor.
 
@@ -22,6 +23,10 @@ their relative path and validation takes files in that order until it holds at l
 (never every file). Adding a file therefore moves at most the files near the cut, it does not reshuffle the rest.
 One file, ``.bin`` or ``.npy``: the last ``val_fraction`` of the bytes / tokens is validation.
 Files are joined with the ASCII "file separator" byte 0x1C, which never occurs in source code.
+
+`max_bytes` is applied while reading: the standard library stops reading files at the cap; a directory or glob
+lists its files by size, splits them, and reads only the head of each split that the cap keeps; a text, .bin or .npy
+file is mapped and only the bytes kept are copied.
 """
 
 from __future__ import annotations
@@ -140,8 +145,8 @@ def _files_word(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Split:
-    train: bytes | memoryview | _Joined  # a view of a mapped file, or files not read yet, until the cap is applied
-    val: bytes | memoryview | _Joined
+    train: bytes | memoryview | _Joined | _NpyTokens  # a view of a mapped file, or files not read yet, until capped
+    val: bytes | memoryview | _Joined | _NpyTokens
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
     summary: str  # "N files, X MB (train ... / val ...)"
@@ -267,23 +272,40 @@ def _list_directory(root: Path) -> tuple[list[str], list[_File]]:
     return [names[i] for i in order], [files[i] for i in order]
 
 
-def _load_npy(path: Path) -> bytes:
-    arr = np.load(path, allow_pickle=False)
+class _NpyTokens:
+    """A .npy token file mapped (np.load's mmap_mode): a head slice (--max-bytes) reads only what it keeps, and the
+    ids are checked to be bytes as they are read."""
+
+    def __init__(self, arr: np.ndarray, path: Path) -> None:
+        self.arr, self.path = arr, path
+
+    def __len__(self) -> int:
+        return len(self.arr)
+
+    def __getitem__(self, cut: slice) -> _NpyTokens:
+        return _NpyTokens(self.arr[cut], self.path)
+
+    def __bytes__(self) -> bytes:
+        arr = np.asarray(self.arr)
+        if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+            raise ValueError(f"{str(self.path)!r} has token ids in [{arr.min()}, {arr.max()}]; "
+                             f"byte-level tokens must lie in [0, {VOCAB_SIZE})")
+        return arr.astype(np.uint8).tobytes()
+
+
+def _load_npy(path: Path) -> _NpyTokens:
+    arr = np.load(path, allow_pickle=False, mmap_mode="r")
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; a .npy corpus must be 1-D integer")
-    if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
-        raise ValueError(
-            f"{str(path)!r} has token ids in [{arr.min()}, {arr.max()}]; "
-            f"byte-level tokens must lie in [0, {VOCAB_SIZE})"
-        )
-    return arr.astype(np.uint8).tobytes()
+    return _NpyTokens(arr, path)
 
 
-def _to_tensor(data: bytes | memoryview | _Joined) -> torch.Tensor:
+def _to_tensor(data: bytes | memoryview | _Joined | _NpyTokens) -> torch.Tensor:
     # bytearray gives torch a writable buffer it owns: the cached bytes stay untouched whatever callers do.
     if not data:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
-    return torch.frombuffer(bytearray(bytes(data) if isinstance(data, _Joined) else data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(bytes(data) if isinstance(data, (_Joined, _NpyTokens)) else data),
+                            dtype=torch.uint8)
 
 
 def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
