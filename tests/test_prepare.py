@@ -80,6 +80,19 @@ def test_bpe_training_is_deterministic_and_padded_to_the_asked_vocabulary():
     assert rust.decode(ids.tolist()) == TEXTS["notes/b.md"] and ids.max() < 32768
 
 
+def test_bpe_training_is_the_same_json_whatever_the_threads(tmp_path):
+    """Rust's thread pool is sized once per process (RAYON_NUM_THREADS): each count trained in a fresh process."""
+    (tmp_path / "texts.json").write_text(json.dumps(list(TEXTS.values())))
+    code = ("import hashlib, json, sys; from minidist.data.tokenizer import train_bpe; "
+            "print(hashlib.sha256(train_bpe(json.load(open(sys.argv[1])), 400).json.encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code, str(tmp_path / "texts.json")], capture_output=True,
+                              text=True, check=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                                       "RAYON_NUM_THREADS": str(n)}).stdout
+               for n in (1, 4)}
+    assert digests == {hashlib.sha256(tokenizer.train_bpe(list(TEXTS.values()), 400).json.encode()).hexdigest()
+                       + "\n"}
+
+
 def test_a_tokenizer_json_is_read_as_untrusted_input(tmp_path):
     tok = tokenizer.train_bpe(list(TEXTS.values()), 300)
     (tmp_path / "model").mkdir()

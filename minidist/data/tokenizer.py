@@ -7,7 +7,8 @@
   token ``<|endoftext|>`` as id 0. If the corpus runs out of merges first (a small corpus), the vocabulary is padded
   with reserved special tokens ``<|reserved_N|>`` to exactly VOCAB, as Llama 3 reserves some: the model's shape is
   the one asked for. Determinism: `tokenizers` 0.23.3 trained the same JSON, byte for byte, twice in a row and with
-  RAYON_NUM_THREADS 1, 2, 3, 8 and 16 (measured on the standard library's email/json/asyncio packages); the trained
+  RAYON_NUM_THREADS 1, 2, 3, 8 and 16 (measured on the standard library's email/json/asyncio packages;
+  tests/test_prepare.py trains with 1 and 4 threads in fresh processes); the trained
   tokenizer is anyway written into the dataset and is the input of every later step (the trainer reads the
   dataset's tokenizer.json, it never trains one), so a dataset stays reproducible from its own files.
 - a path to a ``tokenizer.json``, or to a directory holding one (a Hugging Face model directory): used as it is. Its
