@@ -8,9 +8,9 @@
   with reserved special tokens ``<|reserved_N|>`` to exactly VOCAB, as Llama 3 reserves some: the model's shape is
   the one asked for. Determinism: `tokenizers` 0.23.3 trained the same JSON, byte for byte, twice in a row and with
   RAYON_NUM_THREADS 1, 2, 3, 8 and 16 (measured on the standard library's email/json/asyncio packages;
-  tests/test_prepare.py trains with 1 and 4 threads in fresh processes); the trained
-  tokenizer is anyway written into the dataset and is the input of every later step (the trainer reads the
-  dataset's tokenizer.json, it never trains one), so a dataset stays reproducible from its own files.
+  tests/test_prepare.py trains with 1 and 4 threads in fresh processes); the trained tokenizer is anyway written
+  into the dataset and is the input of every later step (the trainer reads the dataset's tokenizer.json, it never
+  trains one), so a dataset stays reproducible from its own files.
 - a path to a ``tokenizer.json``, or to a directory holding one (a Hugging Face model directory): used as it is. Its
   end-of-document token is the first of `EOD_NAMES` it holds (or the one named with `eod_token=`).
 """
