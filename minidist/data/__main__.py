@@ -34,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from minidist.data import dataset, prepare
+    from minidist.data import prepare  # imports no torch: preparing needs none
 
     try:
         if args.command == "verify":
+            from minidist.data import dataset
+
             ds = dataset.open_dataset(args.data_dir, verify=True)
             print(f"{args.data_dir}: ok, " + ", ".join(f"{k} {v.numel():,} tokens" for k, v in ds.splits.items()))
             return 0

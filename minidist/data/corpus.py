@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import math
 import mmap
 import os
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minidist.data.documents import _BINARY_SNIFF_BYTES, _val_file_indices, stdlib_files, stdlib_root
 from minidist.data.sampler import BatchSampler
 
 __all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_SIZE", "load_corpus", "stdlib_files",
@@ -53,8 +52,6 @@ __all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_S
 VOCAB_SIZE = 256  # byte-level
 FILE_SEPARATOR = b"\x1c"  # ASCII FS (file separator), placed between files in a joined corpus
 
-_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-_BINARY_SNIFF_BYTES = 8192
 
 
 class ByteTokenizer:
@@ -87,48 +84,6 @@ class Corpus:
 
 # ----------------------------------------------------------------------------------------------------------------
 # loading
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None) -> list[str]:
-    """Relative POSIX paths of the standard-library ``.py`` files in the default corpus, sorted."""
-    root = stdlib_root() if root is None else root
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not _skip_stdlib_dir(d)]
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            if name.endswith(".py") and not name.startswith((".", "_sysconfigdata")):
-                found.append((rel_dir / name).as_posix())
-    return sorted(found)
-
-
-def _skip_stdlib_dir(name: str) -> bool:
-    return name in _STDLIB_SKIP_DIRS or name.startswith((".", "config-"))
-
-
-def _path_hash(name: str) -> int:
-    # A stable hash (Python's hash() is salted per process).
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
-
-
-def _val_file_indices(names: Sequence[str], sizes: Sequence[int], val_fraction: float) -> set[int]:
-    """Files in hash order until validation holds >= val_fraction of the bytes; never all files."""
-    if val_fraction == 0 or len(names) < 2:
-        return set()
-    order = sorted(range(len(names)), key=lambda i: (_path_hash(names[i]), names[i]))
-    target = val_fraction * sum(sizes)
-    chosen: set[int] = set()
-    held = 0
-    for i in order[:-1]:
-        if held >= target:
-            break
-        chosen.add(i)
-        held += sizes[i]
-    return chosen
 
 
 def _fmt_size(n: int) -> str:

@@ -6,22 +6,69 @@ like today's byte corpus: validation is its last `val_fraction` of the bytes, so
 split. A document bigger than `PIECE_BYTES` is tokenized in pieces cut after a newline that a non-space byte
 follows (a boundary a byte-level BPE's pre-tokenizer splits at anyway, so the ids are those of the whole text); the
 end-of-document token closes its last piece only. `max_bytes` stops the listing once the documents hold that many
-bytes (the last one cut), before the split.
+bytes (the last one cut), before the split. The standard library's file list and the split rule (files in the order
+of a hash of their names) live here and `corpus.py` uses them, so `prepare` splits as the trainer's text sources do,
+and imports no torch.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import stat
+import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from minidist.data.corpus import _BINARY_SNIFF_BYTES, _val_file_indices, stdlib_files, stdlib_root
-
 PIECE_BYTES = 4 * 2**20
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_BINARY_SNIFF_BYTES = 8192
 _LINE_START = re.compile(rb"\n[^ \t\r\n\x0b\x0c]")  # a newline, then a non-space byte
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[str]:
+    """Relative POSIX paths of the standard-library ``.py`` files in the default corpus, sorted."""
+    root = stdlib_root() if root is None else root
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not _skip_stdlib_dir(d)]
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith((".", "_sysconfigdata")):
+                found.append((rel_dir / name).as_posix())
+    return sorted(found)
+
+
+def _skip_stdlib_dir(name: str) -> bool:
+    return name in _STDLIB_SKIP_DIRS or name.startswith((".", "config-"))
+
+
+def _path_hash(name: str) -> int:
+    # A stable hash (Python's hash() is salted per process).
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def _val_file_indices(names: Sequence[str], sizes: Sequence[int], val_fraction: float) -> set[int]:
+    """Files in hash order until validation holds >= val_fraction of the bytes; never all files."""
+    if val_fraction == 0 or len(names) < 2:
+        return set()
+    order = sorted(range(len(names)), key=lambda i: (_path_hash(names[i]), names[i]))
+    target = val_fraction * sum(sizes)
+    chosen: set[int] = set()
+    held = 0
+    for i in order[:-1]:
+        if held >= target:
+            break
+        chosen.add(i)
+        held += sizes[i]
+    return chosen
 
 
 @dataclass(frozen=True)
