@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import ParallelDims, Topology
-from minidist.data.corpus import BatchSampler, load_corpus
+from minidist.data.corpus import load_corpus
+from minidist.data.sampler import BatchSampler
 from minidist.memory import storage_bytes
 from minidist.model import build_model, get_preset
 from minidist.model.moe.stats import moe_layers

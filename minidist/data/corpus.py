@@ -1,4 +1,5 @@
-"""Data: a byte tokenizer, a corpus that needs no download, and a deterministic, resumable batch sampler.
+"""Text sources read as bytes: a byte tokenizer and a corpus that needs no download (the sampler: `sampler.py`;
+tokenized datasets on disk: `prepare.py`, `dataset.py`).
 
 Tokens are bytes (vocabulary 256), so tokenizing is the identity on UTF-8 bytes and a corpus is a uint8 tensor.
 
@@ -22,17 +23,19 @@ their relative path and validation takes files in that order until it holds at l
 (never every file). Adding a file therefore moves at most the files near the cut, it does not reshuffle the rest.
 One file, ``.bin`` or ``.npy``: the last ``val_fraction`` of the bytes / tokens is validation.
 Files are joined with the ASCII "file separator" byte 0x1C, which never occurs in source code.
+
+`max_bytes` is applied while reading: the standard library stops reading files at the cap; a directory or glob
+lists its files by size, splits them, and reads only the head of each split that the cap keeps; a text, .bin or .npy
+file is mapped and only the bytes kept are copied.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import math
 import mmap
 import os
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minidist.data.documents import _BINARY_SNIFF_BYTES, _val_file_indices, stdlib_files, stdlib_root
+from minidist.data.sampler import BatchSampler
+
+__all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_SIZE", "load_corpus", "stdlib_files",
+           "stdlib_root", "unigram_entropy_bits", "unigram_entropy_nats"]  # BatchSampler: its home is sampler.py
+
 VOCAB_SIZE = 256  # byte-level
 FILE_SEPARATOR = b"\x1c"  # ASCII FS (file separator), placed between files in a joined corpus
 
-_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-_BINARY_SNIFF_BYTES = 8192
 
 
 class ByteTokenizer:
@@ -79,48 +86,6 @@ class Corpus:
 # loading
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None) -> list[str]:
-    """Relative POSIX paths of the standard-library ``.py`` files in the default corpus, sorted."""
-    root = stdlib_root() if root is None else root
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not _skip_stdlib_dir(d)]
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            if name.endswith(".py") and not name.startswith((".", "_sysconfigdata")):
-                found.append((rel_dir / name).as_posix())
-    return sorted(found)
-
-
-def _skip_stdlib_dir(name: str) -> bool:
-    return name in _STDLIB_SKIP_DIRS or name.startswith((".", "config-"))
-
-
-def _path_hash(name: str) -> int:
-    # A stable hash (Python's hash() is salted per process).
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
-
-
-def _val_file_indices(names: Sequence[str], sizes: Sequence[int], val_fraction: float) -> set[int]:
-    """Files in hash order until validation holds >= val_fraction of the bytes; never all files."""
-    if val_fraction == 0 or len(names) < 2:
-        return set()
-    order = sorted(range(len(names)), key=lambda i: (_path_hash(names[i]), names[i]))
-    target = val_fraction * sum(sizes)
-    chosen: set[int] = set()
-    held = 0
-    for i in order[:-1]:
-        if held >= target:
-            break
-        chosen.add(i)
-        held += sizes[i]
-    return chosen
-
-
 def _fmt_size(n: int) -> str:
     if n >= 1_000_000:
         return f"{n / 1e6:.1f} MB"
@@ -135,21 +100,21 @@ def _files_word(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Split:
-    train: bytes | memoryview  # a view of a mapped file until the cap is applied (`_mapped`)
-    val: bytes | memoryview
+    train: bytes | memoryview | _Joined | _NpyTokens  # a view of a mapped file, or files not read yet, until capped
+    val: bytes | memoryview | _Joined | _NpyTokens
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
     summary: str  # "N files, X MB (train ... / val ...)"
 
 
-def _split_files(names: Sequence[str], blobs: Sequence[bytes], val_fraction: float) -> _Split:
+def _split_files(names: Sequence[str], blobs: Sequence[bytes | _File], val_fraction: float) -> _Split:
     if len(names) == 1:
-        return _split_bytes(names[0], blobs[0], val_fraction, unit="bytes")
+        one = _mapped(blobs[0].path) if isinstance(blobs[0], _File) else blobs[0]
+        return _split_bytes(names[0], one, val_fraction, unit="bytes")
     val_idx = _val_file_indices(names, [len(b) for b in blobs], val_fraction)
     tr = [i for i in range(len(names)) if i not in val_idx]
     va = sorted(val_idx)
-    train = FILE_SEPARATOR.join(blobs[i] for i in tr)
-    val = FILE_SEPARATOR.join(blobs[i] for i in va)
+    train, val = _join([blobs[i] for i in tr]), _join([blobs[i] for i in va])
     total = sum(len(b) for b in blobs)
     summary = (
         f"{_files_word(len(names))}, {_fmt_size(total)} (train {_files_word(len(tr))} {_fmt_size(len(train))}"
@@ -196,8 +161,52 @@ def _is_binary(data: bytes) -> bool:
     return b"\0" in data[:_BINARY_SNIFF_BYTES]
 
 
-def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
-    names, blobs = [], []
+class _File:
+    """A file of a directory or glob source, not read yet: its size is all the split needs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.size = path, os.stat(path).st_size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _Joined:
+    """Files joined by FILE_SEPARATOR, read only when converted to bytes and only up to `limit`: --max-bytes (a head
+    slice, `_cap_user_split`) reads what it keeps, not the whole directory."""
+
+    def __init__(self, files: Sequence[_File], limit: int | None = None) -> None:
+        full = sum(f.size for f in files) + len(FILE_SEPARATOR) * max(len(files) - 1, 0)
+        self.files, self.limit = list(files), full if limit is None else min(limit, full)
+
+    def __len__(self) -> int:
+        return self.limit
+
+    def __getitem__(self, cut: slice) -> _Joined:
+        if not isinstance(cut, slice) or cut.start not in (None, 0) or cut.step is not None or cut.stop is None:
+            raise TypeError("a joined file list is cut only at its head: [:n]")
+        return _Joined(self.files, max(cut.stop, 0))
+
+    def __bytes__(self) -> bytes:
+        out = bytearray()
+        for i, f in enumerate(self.files):
+            if i:
+                out += FILE_SEPARATOR
+            if len(out) >= self.limit:
+                break
+            with open(f.path, "rb") as handle:
+                out += handle.read(self.limit - len(out))
+        return bytes(out[: self.limit])
+
+
+def _join(blobs: Sequence[bytes | _File]) -> bytes | _Joined:
+    if all(isinstance(b, _File) for b in blobs) and blobs:
+        return _Joined(blobs)
+    return FILE_SEPARATOR.join(blobs)
+
+
+def _list_directory(root: Path) -> tuple[list[str], list[_File]]:
+    names, files = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for fname in filenames:
@@ -209,31 +218,49 @@ def _read_directory(root: Path) -> tuple[list[str], list[bytes]]:
             except UnicodeEncodeError:
                 raise ValueError(f"data file {str(path).encode('utf-8', 'surrogateescape')!r} has a name that is not "
                                  "UTF-8; rename it or move it out of the directory") from None
-            data = path.read_bytes()
-            if not _is_binary(data):
+            with open(path, "rb") as f:
+                head = f.read(_BINARY_SNIFF_BYTES)
+            if not _is_binary(head):
                 names.append(path.relative_to(root).as_posix())
-                blobs.append(data)
+                files.append(_File(path))
     order = sorted(range(len(names)), key=names.__getitem__)
-    return [names[i] for i in order], [blobs[i] for i in order]
+    return [names[i] for i in order], [files[i] for i in order]
 
 
-def _load_npy(path: Path) -> bytes:
-    arr = np.load(path, allow_pickle=False)
+class _NpyTokens:
+    """A .npy token file mapped (np.load's mmap_mode): a head slice (--max-bytes) reads only what it keeps, and the
+    ids are checked to be bytes as they are read."""
+
+    def __init__(self, arr: np.ndarray, path: Path) -> None:
+        self.arr, self.path = arr, path
+
+    def __len__(self) -> int:
+        return len(self.arr)
+
+    def __getitem__(self, cut: slice) -> _NpyTokens:
+        return _NpyTokens(self.arr[cut], self.path)
+
+    def __bytes__(self) -> bytes:
+        arr = np.asarray(self.arr)
+        if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+            raise ValueError(f"{str(self.path)!r} has token ids in [{arr.min()}, {arr.max()}]; "
+                             f"byte-level tokens must lie in [0, {VOCAB_SIZE})")
+        return arr.astype(np.uint8).tobytes()
+
+
+def _load_npy(path: Path) -> _NpyTokens:
+    arr = np.load(path, allow_pickle=False, mmap_mode="r")
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{str(path)!r} holds a {arr.ndim}-D {arr.dtype} array; a .npy corpus must be 1-D integer")
-    if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
-        raise ValueError(
-            f"{str(path)!r} has token ids in [{arr.min()}, {arr.max()}]; "
-            f"byte-level tokens must lie in [0, {VOCAB_SIZE})"
-        )
-    return arr.astype(np.uint8).tobytes()
+    return _NpyTokens(arr, path)
 
 
-def _to_tensor(data: bytes) -> torch.Tensor:
+def _to_tensor(data: bytes | memoryview | _Joined | _NpyTokens) -> torch.Tensor:
     # bytearray gives torch a writable buffer it owns: the cached bytes stay untouched whatever callers do.
     if not data:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(bytes(data) if isinstance(data, (_Joined, _NpyTokens)) else data),
+                            dtype=torch.uint8)
 
 
 def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
@@ -269,7 +296,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
                     f"data source {source!r} matches no files; pass a text file, a directory of text files, "
                     "a .bin file, or 'stdlib'"
                 )
-            split = _split_files(matches, [Path(p).read_bytes() for p in matches], val_fraction)
+            split = _split_files(matches, [_File(Path(p)) for p in matches], val_fraction)
             return split, f"files matching {source!r}: {split.summary}"
         raise ValueError(
             f"data source {source!r} does not exist; pass a text file, a directory of text files, a .bin file, "
@@ -278,7 +305,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
     if not path.is_dir() and not path.is_file():  # a FIFO blocks a read forever, /dev/zero never ends
         raise ValueError(f"data source {source!r} is not a regular file or a directory (a FIFO or a device?)")
     if path.is_dir():
-        names, blobs = _read_directory(path)
+        names, blobs = _list_directory(path)
         if not names:
             raise ValueError(f"data source {source!r} is a directory with no text files (hidden and binary skipped)")
         split = _split_files(names, blobs, val_fraction)
@@ -308,109 +335,6 @@ def _cap_user_split(split: _Split, desc: str, max_bytes: int) -> tuple[_Split, s
     n_train = max_bytes - n_val
     capped = _Split(split.train[:n_train], split.val[:n_val], split.train_files, split.val_files, split.summary)
     return capped, desc + f", capped at max_bytes={max_bytes:,} (train {n_train:,} / val {n_val:,})"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# sampling
-
-
-def _step_seed(seed: int, step: int) -> int:
-    # Hash (seed, step) into a 63-bit generator seed: neighbouring seeds/steps give unrelated streams. The salt is
-    # the sampler's first module path: part of every run's data order, so it stays when the module moves.
-    digest = hashlib.blake2b(f"minidist.corpus:{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
-
-
-class BatchSampler:
-    """Deterministic random windows: the global batch of step s depends only on (seed, s).
-
-    Each row is a window of seq_len + 1 tokens starting at a uniform random offset in [0, len - seq_len - 1];
-    inputs are its first seq_len tokens and targets its last seq_len (inputs shifted by one). Because any step can be
-    produced on its own, resuming is exact (store `step`) and data-parallel ranks take row slices of the same batch.
-    """
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int) -> None:
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
-            raise ValueError(f"tokens must be a 1-D tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
-        for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if tokens.numel() < seq_len + 1:
-            raise ValueError(
-                f"corpus has {tokens.numel():,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} needed for one window"
-            )
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.seed = seed
-        self.step = 0  # the next step next_batch() / __next__ produces
-        # Rows are cut on the host (a CPU generator decides the offsets); the trainer moves each batch to its device.
-        self._window = torch.arange(seq_len + 1, device="cpu")
-
-    def _offsets(self, step: int) -> torch.Tensor:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-        g = torch.Generator().manual_seed(_step_seed(self.seed, step))
-        return torch.randint(0, self.tokens.numel() - self.seq_len, (self.global_batch,), generator=g, device="cpu")
-
-    def _rows(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.tokens[offsets[:, None] + self._window].long()
-        return windows[:, :-1], windows[:, 1:]
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of the global batch of `step`, both int64 [global_batch, seq_len]."""
-        return self._rows(self._offsets(step))
-
-    def shard(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [rank*B/world, (rank+1)*B/world) of batch(step), computed without building the others."""
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world must be an int >= 1, got {world!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world:
-            raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
-        if self.global_batch % world:
-            raise ValueError(
-                f"global_batch {self.global_batch} is not divisible by world {world}; use a multiple of {world}"
-            )
-        per = self.global_batch // world
-        return self._rows(self._offsets(step)[rank * per : (rank + 1) * per])
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def __iter__(self) -> BatchSampler:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.next_batch()
-
-    def state_dict(self) -> dict:
-        return {
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch": self.global_batch,
-            "num_tokens": self.tokens.numel(),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in ("seed", "seq_len", "global_batch", "step") if k not in state]
-        if missing:
-            raise ValueError(f"sampler state lacks {missing}; expected a dict from BatchSampler.state_dict()")
-        mine = self.state_dict()
-        keys = ["seed", "seq_len", "global_batch"] + (["num_tokens"] if "num_tokens" in state else [])
-        diffs = [f"{k} {state[k]} in state vs {mine[k]} here" for k in keys if state[k] != mine[k]]
-        if diffs:
-            raise ValueError(f"sampler state does not match this sampler: {'; '.join(diffs)}")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"sampler state has step {step!r}; expected an int >= 0")
-        self.step = step
 
 
 # ----------------------------------------------------------------------------------------------------------------

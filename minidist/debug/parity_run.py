@@ -23,7 +23,8 @@ import torch.distributed as dist
 from minidist.comm.communicator import Ledger
 from minidist.comm.launch import run_ranks
 from minidist.comm.topology import Topology
-from minidist.data.corpus import BatchSampler, load_corpus
+from minidist.data.corpus import load_corpus
+from minidist.data.sampler import BatchSampler
 from minidist.debug import grad_diff, museum
 from minidist.model import ModelConfig, build_model, get_preset
 from minidist.parallel import Layout, parallelize

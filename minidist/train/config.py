@@ -29,8 +29,9 @@ DESCRIPTION = ("The trainer: `python -m minidist.train` on one process, "
 # (flag, help). The flag's key is the flag without dashes, '-' -> '_'; type and default come from TrainConfig.
 FLAGS: list[tuple[str, str]] = [
     ("--model", f"model preset: {', '.join(sorted(ALL_PRESETS))}; override fields with --set model.KEY=V"),
-    ("--data", "text source: 'stdlib', a text file, a directory, a glob, a .bin (uint8) or .npy file"),
-    ("--max-bytes", "read at most this many bytes of the corpus (quick runs)"),
+    ("--data", "text source: 'stdlib', a text file, a directory, a glob, a .bin (uint8) or .npy file; or a dataset "
+               "directory (python -m minidist.data prepare: its tokenizer sets the model's vocab_size)"),
+    ("--max-bytes", "read at most this many bytes of a text source (quick runs)"),
     ("--val-fraction", "fraction of the corpus held out for validation (split by file)"),
     ("--batch-size", "global batch in sequences, summed over data-parallel ranks and micro-batches"),
     ("--seq-len", "tokens per sequence"),

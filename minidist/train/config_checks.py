@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from minidist.comm.bootstrap import DEVICES
+from minidist.data import training_data
 from minidist.data.corpus import VOCAB_SIZE
 from minidist.model import ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
@@ -39,10 +40,26 @@ def coerce_setting(key: str, value: Any, hint: Any) -> Any:
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The preset with the overrides; a prepared dataset's vocabulary replaces the preset's (one that differs,
+    given explicitly, is refused)."""
     overrides = _typed_fields(ModelConfig, cfg.model_overrides, "model")
+    data_vocab = data_vocab_size(cfg)
+    if data_vocab is not None:
+        if overrides.get("vocab_size", data_vocab) != data_vocab:
+            raise ConfigError(f"model.vocab_size {overrides['vocab_size']:,} differs from the {data_vocab:,} tokens "
+                              f"of the tokenizer of {cfg.data}; leave model.vocab_size out (it follows the data)")
+        overrides["vocab_size"] = data_vocab
     try:
         return get_preset(cfg.model, **overrides)
     except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def data_vocab_size(cfg: TrainConfig) -> int | None:
+    """A prepared dataset's vocabulary (its manifest read, no shard opened); None for a text source."""
+    try:
+        return training_data.data_vocab_size(cfg.data)
+    except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
@@ -77,6 +94,8 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if non_finite:
         raise ConfigError(f"settings must be finite numbers, got {', '.join(non_finite)}")
     mcfg = model_config(cfg)
+    if data_vocab_size(cfg) is not None:  # recorded in the run's settings: a checkpoint rebuilds the model without it
+        cfg.model_overrides = {**cfg.model_overrides, "vocab_size": mcfg.vocab_size}
     _check_ranges(cfg)
     _check_batch_and_model(cfg, mcfg)
     _check_choices(cfg)
@@ -149,7 +168,7 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
-    if mcfg.vocab_size < VOCAB_SIZE:
+    if mcfg.vocab_size < VOCAB_SIZE and data_vocab_size(cfg) is None:  # a dataset's is the model's (model_config)
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
 
 
@@ -178,7 +197,10 @@ def _check_data(cfg: TrainConfig) -> None:
     path = Path(cfg.data).expanduser()
     if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not path.exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
-                          "a .bin/.npy file, or 'stdlib'")
+                          "a .bin/.npy file, 'stdlib', or a dataset directory (python -m minidist.data prepare)")
+    if cfg.max_bytes is not None and data_vocab_size(cfg) is not None:
+        raise ConfigError(f"--max-bytes applies to a text source; {cfg.data!r} is a prepared dataset (cap it when "
+                          "preparing it: python -m minidist.data prepare ... --max-bytes N)")
     if cfg.data != "stdlib" and path.exists() and not (path.is_file() or path.is_dir()):  # would never finish reading
         raise ConfigError(f"data path {cfg.data!r} is not a regular file or a directory (a FIFO or a device?)")
 

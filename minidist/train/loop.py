@@ -42,7 +42,8 @@ from torch import nn
 from minidist import flops, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
-from minidist.data.corpus import FILE_SEPARATOR, BatchSampler, Corpus, load_corpus, unigram_entropy_nats
+from minidist.data.sampler import BatchSampler
+from minidist.data.training_data import TrainingData, load_training_data
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
@@ -105,12 +106,14 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,
-              out=Path(cfg.out), info={}, eod_id=end_of_document_id(corpus) if cfg.doc_mask else None)
+              out=Path(cfg.out), info={}, eod_id=corpus.eod_id if cfg.doc_mask else None)
     run.val_docs = [document_ids(inputs, run.eod_id) for inputs, _ in run.val_batches] if cfg.doc_mask else None
     run.info = describe_run(run, corpus, counts)
     check_fault_target(run)  # before OUT is touched: a bad drill leaves no run behind
     run_dir.prepare_out(run.out, overwrite=cfg.overwrite, is_main=run.is_main,
                         barrier=run.barrier)
+    if run.is_main:  # the run's tokenizer beside its outputs (bytes too): what decodes its samples and checkpoints
+        out_files.replace_file(run.out / "tokenizer.json", corpus.tokenizer_json)
     if env.world_size > 1:
         if run.is_main and device.type == "cuda":  # where NCCL's watchdog writes its record (bootstrap.joined)
             (run.out / "flight").mkdir(exist_ok=True)
@@ -124,24 +127,22 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return {"params": params, "params_non_embedding": params - embedding}
 
 
-def load_data(cfg: TrainConfig) -> Corpus:
+def load_data(cfg: TrainConfig) -> TrainingData:
+    """--data: a text source read into memory, or a prepared dataset read row by row (minidist.data.training_data)."""
     try:
-        corpus = load_corpus(None if cfg.data == "stdlib" else cfg.data, cfg.val_fraction, cfg.max_bytes)
+        corpus = load_training_data(cfg.data, cfg.val_fraction, cfg.max_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if corpus.vocab_size > model_config(cfg).vocab_size:  # config_checks sets it from the manifest: a changed file
+        raise ConfigError(f"the data's vocabulary is {corpus.vocab_size:,} but the model's is "
+                          f"{model_config(cfg).vocab_size:,}; prepare the data again or set model.vocab_size")
     if corpus.train.numel() < cfg.seq_len + 1:
         raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
                           f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
     return corpus
 
 
-def end_of_document_id(corpus: Corpus) -> int:
-    """The token that ends each document of the training data (the one place the loop asks): the file separator
-    the byte corpus puts between files (a prepared dataset's manifest will name its own)."""
-    return FILE_SEPARATOR[0]
-
-
-def validation_batches(corpus: Corpus, cfg: TrainConfig, device: torch.device) -> list:
+def validation_batches(corpus: TrainingData, cfg: TrainConfig, device: torch.device) -> list:
     """Fixed validation micro-batches (the same rows every evaluation); empty if there is no validation split.
     The rows are --eval-batches batches of --batch-size rows whatever --microbatches is (each batch is then cut into
     micro-batches as a training batch is): a resume with other micro-batches keeps the same validation set."""
@@ -166,7 +167,7 @@ def local_batches(sampler: BatchSampler, step: int, topo: Topology, microbatches
     return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches))), docs, pairs
 
 
-def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, Any]:
+def describe_run(run: Run, corpus: TrainingData, counts: dict[str, int]) -> dict[str, Any]:
     """What run.json records: the resolved settings and the numbers every figure of the run is measured against."""
     cfg, mcfg = run.cfg, run.mcfg
     dtype = precision.resolve_dtype(cfg.dtype, run.device)
@@ -177,11 +178,12 @@ def describe_run(run: Run, corpus: Corpus, counts: dict[str, int]) -> dict[str, 
         "config": config_to_values(cfg), "model": dataclasses.asdict(mcfg), "world_size": run.env.world_size,
         "parallel": dataclasses.asdict(run.topo.dims), "device": str(run.device), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "corpus": corpus.description, "train_tokens": corpus.train.numel(),
-        "val_tokens": corpus.val.numel(), "unigram_entropy_nats": unigram_entropy_nats(corpus.train), **counts,
+        "val_tokens": corpus.val.numel(), "unigram_entropy_nats": corpus.unigram_entropy_nats, **counts,
+        "eod_id": corpus.eod_id, "data_identity": corpus.identity(),
         "tokens_per_step": cfg.batch_size * cfg.seq_len, "flops_per_token": flops.flops_per_token(mcfg, cfg.seq_len),
         "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
         "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
-        "compile": resolve_compile(cfg.compile, run.device), "eod_id": run.eod_id,
+        "compile": resolve_compile(cfg.compile, run.device),
     }
 
 

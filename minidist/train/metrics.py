@@ -103,7 +103,7 @@ def header_lines(cfg: Any, info: dict[str, Any], out: Path) -> list[str]:
         f"{info['device']}, {info.get('dtype', cfg.dtype)}, {info['threads']} threads",
         f"data: {info['corpus']}",
         f"unigram entropy of the training split: {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): "
-        "the loss of a model that knows only byte frequencies",
+        "the loss of a model that knows only token frequencies",
         f"batch {cfg.batch_size} x {cfg.seq_len} = {info['tokens_per_step']:,} tokens/step in "
         f"{cfg.microbatches} micro-batch(es); {cfg.steps} steps; lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"after {cfg.warmup_steps} warm-up steps",

@@ -16,7 +16,7 @@ import torch
 
 from minidist.comm.bootstrap import DistEnv
 from minidist.comm.topology import Topology
-from minidist.data.corpus import BatchSampler
+from minidist.data.sampler import BatchSampler
 from minidist.model import ModelConfig
 from minidist.parallel import ParallelModel
 from minidist.train.config import TrainConfig

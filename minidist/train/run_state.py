@@ -37,7 +37,8 @@ def save_run(run: Run, steps_done: int) -> None:
     if run.env.rank == 0:
         state["run"] = {"schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(),
                         "param_groups": optim.group_settings(run.parallel.optimizer)}
-    meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims)}
+    meta = {"config": config_to_values(run.cfg), "parallel": dataclasses.asdict(run.topo.dims),
+            "data": run.info["data_identity"]}
     checkpoint.save_checkpoint(run.out / "checkpoints", steps_done, state, meta, rank=run.env.rank,
                                world_size=run.env.world_size, barrier=run.barrier, pieces=index)
     if run.is_main:  # after the final barrier: no rank still reads or writes an older checkpoint
@@ -82,7 +83,11 @@ def restore_run(run: Run) -> int | None:
         raise ValueError(f"the checkpoint is at step {step}, already at or past --stop-after {run.cfg.stop_after}")
     meta = checkpoint.load_meta(root, step)
     saved = meta.get("config")
-    check_same_run(saved if isinstance(saved, dict) else {}, config_to_values(run.cfg))
+    saved = saved if isinstance(saved, dict) else {}
+    if _both_datasets(meta.get("data"), run.info["data_identity"]):  # moved (e.g. to a node's local disk): the
+        saved = {**saved, "data": run.cfg.data}  # manifest's SHA-256 identifies a dataset, wherever it lies
+    check_same_run(saved, config_to_values(run.cfg))
+    check_same_data(meta.get("data"), run.info["data_identity"])
     same = same_layout(meta, run)
     changed = restore_pieces(run, checkpoint_dir(root, step), meta, same)
     if run.barrier is not None:  # every rank has read its pieces (--ckpt-timeout) before the check's collectives
@@ -129,6 +134,25 @@ def check_same_run(saved: dict, now: dict) -> None:
     diffs = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in SAME_RUN_KEYS if saved.get(k) != now[k]]
     if diffs:
         raise ValueError(f"settings differ from the checkpoint's: {'; '.join(diffs)}")
+
+
+def _both_datasets(saved: object, now: dict) -> bool:
+    return isinstance(saved, dict) and saved.get("manifest_sha256") is not None and now["manifest_sha256"] is not None
+
+
+def check_same_data(saved: object, now: dict) -> None:
+    """The dataset (its manifest's SHA-256, which covers every shard's) and the tokenizer the checkpoint was trained
+    on. A checkpoint from before they were recorded trained on a text source with the byte tokenizer."""
+    if saved is None:
+        saved = {"manifest_sha256": None, "tokenizer_sha256": now["tokenizer_sha256"] if now["manifest_sha256"] is None
+                 else "(not recorded: the byte tokenizer)"}
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's data record is {type(saved).__name__}, not a table")
+    what = {"manifest_sha256": "dataset (manifest SHA-256)", "tokenizer_sha256": "tokenizer (SHA-256)"}
+    diffs = [f"{what[k]} {str(saved.get(k))[:12]} -> {str(now[k])[:12]}" for k in what if saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"the data differs from the checkpoint's: {'; '.join(diffs)}; resume with the data it was "
+                         "trained on")
 
 
 def rng_state() -> dict:

@@ -29,7 +29,8 @@ class TrainConfig:
     # model
     model: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
-    # data: "stdlib" (the standard library's source), a text file, a directory of text files, a .bin or .npy file
+    # data: "stdlib" (the standard library's source), a text file, a directory of text files, a .bin or .npy file,
+    # or a prepared dataset directory (minidist.data.prepare; told apart by its manifest.json)
     data: str = "stdlib"
     max_bytes: int | None = None
     val_fraction: float = 0.05
