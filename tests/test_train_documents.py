@@ -14,7 +14,7 @@ import trainer_parity
 
 from minidist import flops
 from minidist.comm.launch import run_ranks
-from minidist.data.corpus import BatchSampler, load_corpus
+from minidist.data.sampler import BatchSampler
 from minidist.model import build_model, lm_loss
 from minidist.model.documents import attention_pairs, document_ids
 from minidist.train import loop as train
@@ -82,9 +82,9 @@ def reference(root) -> list[dict]:
 def step_flops(root) -> dict[int, float]:
     """Each step's model FLOPs with the attention pairs its documents keep, counted over the global batch."""
     cfg = config(str(root / "masked"))
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes)
+    corpus = train.load_data(cfg)
     sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed)
-    eod = train.end_of_document_id(corpus)
+    eod = corpus.eod_id
     return {step: flops.step_flops(model_config(cfg), cfg.batch_size * cfg.seq_len,
                                    int(attention_pairs(document_ids(sampler.batch(step)[0], eod))))
             for step in range(cfg.steps)}
@@ -104,9 +104,9 @@ def test_first_loss_is_each_document_alone(root, reference) -> None:
     """Step 0's loss is the model's (seed 0) loss on each document run alone, the targets still the next tokens
     (an EOD's target is the next document's first token), and differs from the run without the mask."""
     cfg = config(str(root / "masked"))
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes)
+    corpus = train.load_data(cfg)
     inputs, targets = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed).batch(0)
-    ids = document_ids(inputs, train.end_of_document_id(corpus))
+    ids = document_ids(inputs, corpus.eod_id)
     model, total = build_model(model_config(cfg), seed=cfg.seed), 0.0
     with torch.no_grad():
         for row in range(inputs.shape[0]):

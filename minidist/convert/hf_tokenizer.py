@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from minidist.convert.hf_model import ConvertError
+from minidist.data.tokenizer import EOD_NAMES, MAX_TOKENIZER_BYTES
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-MAX_TOKENIZER_BYTES = 256 * 2**20  # read whole: Llama 3's 128k-token tokenizer.json is about 9 MB
-# End-of-text tokens of common tokenizers, the first one a tokenizer holds as a special token becomes eos_token.
-EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
 def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
@@ -59,9 +57,9 @@ def parse_tokenizer(text: str) -> Any:
 
 
 def end_of_text(text: str) -> tuple[str, int] | None:
-    """(token, id) of the tokenizer's end-of-text special token (the first of EOS_NAMES it holds), or None."""
+    """(token, id) of the tokenizer's end-of-text special token (the first of EOD_NAMES it holds), or None."""
     special = {t.get("content"): t.get("id") for t in json.loads(text).get("added_tokens") or () if t.get("special")}
-    return next(((name, special[name]) for name in EOS_NAMES if isinstance(special.get(name), int)), None)
+    return next(((name, special[name]) for name in EOD_NAMES if isinstance(special.get(name), int)), None)
 
 
 def tokenizer_files(text: str, max_seq_len: int) -> dict[str, bytes]:
