@@ -15,7 +15,7 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
 from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import Cluster, StepTime, predict_step
+from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("FP8 matmuls (bf16 peak throughout)", "DualPipe and zero-bubble schedules (1F1B, interleaved, AFAB only)",
@@ -58,12 +58,13 @@ def time_terms(t: StepTime) -> list[str]:
 
 
 def evaluate(cfg: ModelConfig, layout: Layout, seq_len: int, sequences: int, cluster: Cluster,
-             precision: Precision) -> tuple[MemoryEstimate, StepTime, bool]:
+             precision: Precision, recipe: Recipe = DEFAULT_RECIPE) -> tuple[MemoryEstimate, StepTime, bool]:
     """A layout outside the search: (memory of its heaviest stage, step time, whether it fits)."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
     memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
     budget = cluster.memory_bytes * cluster.usable_memory
-    return memory, predict_step(cfg, layout, seq_len, sequences, cluster, precision), memory.total <= budget
+    time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, recipe=recipe)
+    return memory, time, memory.total <= budget
 
 
 def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepTime, fits: bool, rank: int | None,

@@ -73,16 +73,29 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
 
 
+def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
+    """(chunks per rank, whether they sit in a V): zbv and dualpipev place two chunks per rank themselves, rank r
+    holding chunks r and 2p−1−r (so rank 0 holds the first and the last: the embedding and the head); the other
+    schedules `virtual_stages` chunks in a loop (chunk c on rank c mod p)."""
+    return chunks_per_rank(schedule, virtual_stages), schedule in V_SCHEDULES
+
+
+def head_stage(schedule: str, pp: int) -> int:
+    """The pipeline rank that holds the last chunk (the final norm, the head and the loss)."""
+    return 0 if schedule in V_SCHEDULES else pp - 1
+
+
 @functools.lru_cache(maxsize=65536)
-def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int, v_shape: bool = False) -> tuple[int, ...]:
     """The layer indices pipeline rank `stage` holds (all its chunks)."""
     chunks = chunk_layers(n_layers, pp, virtual_stages)
-    return tuple(i for c in rank_chunks(stage, pp, virtual_stages) for i in chunks[c])
+    return tuple(i for c in rank_chunks(stage, pp, virtual_stages, v_shape) for i in chunks[c])
 
 
-def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
-    """(dense blocks, MoE blocks) pipeline rank `stage` holds."""
-    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages, stage)
+def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int, schedule: str = "1f1b") -> tuple[int, int]:
+    """(dense blocks, MoE blocks) pipeline rank `stage` holds under `schedule`'s placement."""
+    v, v_shape = placement(schedule, virtual_stages)
+    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, v, stage, v_shape)
 
 
 def _first_moe_layer(cfg: ModelConfig) -> int:
@@ -90,21 +103,23 @@ def _first_moe_layer(cfg: ModelConfig) -> int:
     return cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
 
 
-def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
+def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, schedule: str = "1f1b") -> tuple[int, int]:
     """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
     one whose per-block communication sets the pace."""
-    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages)
+    v, v_shape = placement(schedule, virtual_stages)
+    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, v, v_shape)
 
 
 @functools.lru_cache(maxsize=65536)
-def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int) -> tuple[int, int]:
-    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s) for s in range(pp))
+def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int, v_shape: bool) -> tuple[int, int]:
+    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s, v_shape) for s in range(pp))
     return max(kinds, key=lambda k: (sum(k), k[1]))
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
-    layers = _stage_layers(n_layers, pp, virtual_stages, stage)
+def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int,
+                 v_shape: bool = False) -> tuple[int, int]:
+    layers = _stage_layers(n_layers, pp, virtual_stages, stage, v_shape)
     moe = sum(i >= first_moe for i in layers)
     return len(layers) - moe, moe
 
@@ -119,7 +134,8 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
         attn_local = latent + (attn - latent) // tp + attn_extra
     else:
         attn_local = attn // tp + attn_extra // tp
-    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, layout.options.virtual_stages, stage)
+    o = layout.options
+    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, o.virtual_stages, stage, o.schedule)
     dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
     experts = 0
     if n_moe:
@@ -131,8 +147,9 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
     dense += n_dense * ((w + b) // tp)
     if stage == 0:
         dense += cfg.vocab_size * cfg.d_model // tp
-    if stage == layout.dims.pp - 1:
-        dense += cfg.d_model + (0 if cfg.tie_embeddings and layout.dims.pp == 1 else cfg.vocab_size * cfg.d_model // tp)
+    if stage == head_stage(o.schedule, layout.dims.pp):  # under a V the first stage: a tied head is its embedding
+        tied_here = cfg.tie_embeddings and stage == 0
+        dense += cfg.d_model + (0 if tied_here else cfg.vocab_size * cfg.d_model // tp)
     return {"dense": dense, "experts": experts}
 
 
@@ -164,14 +181,33 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
-    live = peak = 0
-    actions = build_any_schedule(schedule, pp, microbatches, virtual_stages)[stage]
-    release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until its W
-    for action in actions:
-        if action.kind in (F, release):
-            live += 1 if action.kind == F else -1
-            peak = max(peak, live)
-    return peak
+    return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
+
+
+# Past this many micro-batches per stage a zero-bubble schedule only lengthens its steady state, which holds the
+# same activations: its peaks in flight are counted on the schedule built with this many (tests check the plateau).
+IN_FLIGHT_PLATEAU = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
+    forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
+    rest of the forward's with them in this trainer). A zero-bubble schedule is built with at most
+    `IN_FLIGHT_PLATEAU`·p micro-batches (its peaks no longer grow), so a search over millions costs one build."""
+    m = microbatches
+    if schedule in ("zb1", "zbv", "dualpipev"):
+        m = min(m, IN_FLIGHT_PLATEAU * pp)
+    peaks = []
+    for actions in build_any_schedule(schedule, pp, m, virtual_stages):
+        release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until W
+        live = peak = 0
+        for action in actions:
+            if action.kind in (F, release):
+                live += 1 if action.kind == F else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1) -> float:
@@ -279,7 +315,7 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     dims, options = layout.dims, layout.options
     tokens = micro_batch * seq_len // dims.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
-    n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage)
+    n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage, options.schedule)
     dense_b, moe_b, dense_s, moe_s = _block_bytes(cfg, layout, tokens, precision, memo)
     per_kind = [(n, b) for n, b in ((n_dense, dense_b), (n_moe, moe_b)) if n]
     sp = layout.sp_degree
@@ -292,7 +328,7 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
         transient = max(max(b - s, 0.0) for _, b, s in selective)  # one block's rebuilt element-wise tensors
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
-    last = stage == (0 if options.schedule in V_SCHEDULES else dims.pp - 1)  # the rank that holds the head
+    last = stage == head_stage(options.schedule, dims.pp)  # the rank that holds the head
     one_chunk_pass = kept / chunks_per_rank(options.schedule, options.virtual_stages)  # zbv: two chunks implied
     in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
     total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
@@ -320,7 +356,8 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
                 memo[key] = stages
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
                    key=lambda e: e.total)
-    key = ("states", layout.dims, layout.options.zero, layout.options.virtual_stages, stage, precision)
+    o = layout.options
+    key = ("states", layout.dims, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
     states = memo.get(key) if memo is not None else None
     if states is None:
         states = model_state_bytes(cfg, layout, precision, stage)
@@ -337,7 +374,8 @@ def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:
     dims, o = layout.dims, layout.options
     most: dict[tuple, tuple[int, int]] = {}  # class -> (chunks in flight, stage)
     for s in range(dims.pp):
-        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s), s == 0, s == dims.pp - 1)
+        head = s == head_stage(o.schedule, dims.pp)
+        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s, o.schedule), s == 0, head)
         flight = chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s)
         if key not in most or flight > most[key][0]:
             most[key] = (flight, s)
