@@ -51,12 +51,24 @@ class Precision:
     optimizer: int
     activation: int
     residual: int
+    # What the kernels keep, where implementations differ (`layer_activation_bytes`): False, False is this trainer
+    fused: bool = False  # fused RMSNorm, RoPE and SwiGLU kernels keep only their inputs (and RMSNorm's 1/rms)
+    sp_regather: bool = False  # an SP column-parallel linear keeps its input sharded, gathers it again backward
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
 FP32 = Precision(param=4, grad=4, optimizer=8, activation=4, residual=4)
 # Mixed precision as in ZeRO §3.1 and Megatron-LM: bf16 weights and gradients, fp32 master copy and moments.
 BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
+# The same with Megatron-LM's kernels, as the published large runs use them (Korthikanti et al. 2022, §4.2.2: with
+# sequence parallelism every saved activation of a block is split over tp): a fused RMSNorm that keeps its bf16
+# input and 1/rms; RoPE applied inside a fused kernel that keeps nothing (q and k kept once, as the attention's
+# inputs); a fused SwiGLU that keeps its input [x·W1, x·W3] and recomputes the SiLU and the product backward (the
+# second linear keeps its own input: 3 of the trainer's 4 tensors of the feed-forward's width); sequence-parallel
+# linears that keep their input sharded and all-gather it again in the backward
+# (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
+BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True)
+PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON}  # the planner's --kernels
 
 
 @dataclass(frozen=True)
@@ -210,31 +222,42 @@ def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: i
     return tuple(peaks)
 
 
-def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1) -> float:
-    # RMSNorm: its fp32 input, 1/rms, the normalized tensor; its output counted by the caller (a linear's input).
-    return (4 * n * dim + 4 * n + p * n * dim) / sp_tp
+def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1, fused: bool = False) -> float:
+    # RMSNorm: its fp32 input, 1/rms, the normalized tensor (a fused kernel: its input as it is and 1/rms); its
+    # output counted by the caller (a linear's input).
+    return (p * n * dim + 4 * n if fused else 4 * n * dim + 4 * n + p * n * dim) / sp_tp
 
 
-def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int) -> float:
-    """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each)."""
+def _region_input_bytes(n: int, d: int, p: int, sp: int, fused: bool, sp_regather: bool) -> float:
+    """A region's (attention's, the feed-forward's, the head's) norm and the input its first linears save: whole
+    (no SP), gathered over the sequence (the trainer's SP), or sharded and gathered again backward (Megatron's)."""
+    return _norm_bytes(n, d, p, sp, fused) + p * n * d / (sp if sp_regather else 1)
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int,
+                           fused: bool = False, sp_regather: bool = False) -> float:
+    """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each), with
+    this trainer's kernels or (`fused`, `sp_regather`: `Precision`'s) Megatron-LM's."""
     tp, d = layout.dims.tp, cfg.d_model
     n = tokens
     sp = layout.sp_degree
-    # Each region (attention, feed-forward) starts with a norm; its output is the region's input, which the first
-    # linears save: whole (no SP), or gathered over the sequence (SP): p·n·d either way.
-    norms = 2 * (_norm_bytes(n, d, p, sp) + p * n * d)
+    norms = 2 * _region_input_bytes(n, d, p, sp, fused, sp_regather)
+    swiglu = 3 if fused else 4  # x·W1, x·W3, the SiLU, the product (fused: the first two and the product)
     if cfg.attention == "mla":
         m, h = cfg.mla, cfg.n_heads // tp
         d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        latents = _norm_bytes(n, m.kv_lora_rank, p) + p * n * m.kv_lora_rank  # the latent, normed, into wkv_b
+        # the latent, normed, into wkv_b
+        latents = _norm_bytes(n, m.kv_lora_rank, p, fused=fused) + p * n * m.kv_lora_rank
         if m.q_lora_rank:
-            latents += _norm_bytes(n, m.q_lora_rank, p) + p * n * m.q_lora_rank
-        # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo; fp32 log-sum-exp
-        attention = latents + p * n * h * (3 * d_qk + 3 * d_v) + 4 * n * h
+            latents += _norm_bytes(n, m.q_lora_rank, p, fused=fused) + p * n * m.q_lora_rank
+        # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo (fused: q, k, v, the
+        # output); fp32 log-sum-exp
+        copies = 2 if fused else 3
+        attention = latents + p * n * h * copies * (d_qk + d_v) + 4 * n * h
     else:
         kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
-        attention = p * n * (3 * q + 2 * kv) + 4 * n * cfg.n_heads // tp
+        attention = p * n * ((2 if fused else 3) * q + 2 * kv) + 4 * n * cfg.n_heads // tp  # q before RoPE too
         if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
             attention += 2 * p * n * kv * (layout.dims.cp - 1)
     if _is_moe_layer(cfg, layer):
@@ -245,11 +268,11 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         router = 4 * n * e * 2 + n * k * (8 + 4 + 4) + 8 * n
         # the gathered rows, the experts' outputs and the gated ones (index_add keeps its source), two indices
         rows = 3 * p * slots * d + 8 * slots * 2
-        experts = 4 * p * slots * d_expert
-        shared = 4 * p * n * d_expert * moe.n_shared_experts
+        experts = swiglu * p * slots * d_expert
+        shared = swiglu * p * n * d_expert * moe.n_shared_experts
         mlp = router + rows + experts + shared
     else:
-        mlp = 4 * p * n * cfg.d_ff // tp
+        mlp = swiglu * p * n * cfg.d_ff // tp
     return norms + attention + mlp
 
 
@@ -282,10 +305,10 @@ def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Lay
     return kept + attention + mlp
 
 
-def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
+def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int, fused: bool = False,
+                          sp_regather: bool = False) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
-    sp = layout.sp_degree
-    return _norm_bytes(tokens, cfg.d_model, p, sp) + p * tokens * cfg.d_model + \
+    return _region_input_bytes(tokens, cfg.d_model, p, layout.sp_degree, fused, sp_regather) + \
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
@@ -298,8 +321,9 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
         return memo[key]
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
-    out = (layer_activation_bytes(cfg, 0, tokens, layout, p),
-           layer_activation_bytes(cfg, moe_index, tokens, layout, p),
+    kernels = (precision.fused, precision.sp_regather)
+    out = (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
+           layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
            selective_layer_bytes(cfg, 0, tokens, layout, p, r),
            selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
     if memo is not None:
@@ -331,7 +355,9 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     last = stage == head_stage(options.schedule, dims.pp)  # the rank that holds the head
     one_chunk_pass = kept / chunks_per_rank(options.schedule, options.virtual_stages)  # zbv: two chunks implied
     in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
-    total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
+    total = one_chunk_pass * in_flight
+    if last:
+        total += head_activation_bytes(cfg, tokens, layout, p, precision.fused, precision.sp_regather)
     if stage == 0:
         total += 8 * tokens  # the embedding's token indices
     return total, transient

@@ -40,7 +40,7 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
-from minidist.plan.rank_memory import BF16_MIXED, MemoryEstimate, Precision, estimate_memory
+from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import (
     DEFAULT_EFFICIENCY,
     DEFAULT_RECIPE,
@@ -82,6 +82,7 @@ class Plan:
     refused: Counter = field(default_factory=Counter)  # reasons a point of the grid is not a layout, with counts
     budget: float = 0.0  # usable bytes per chip
     recipe: Recipe = DEFAULT_RECIPE  # FP8, node-limited routing: as the search assumed them
+    precision: Precision = BF16_MIXED  # bytes per parameter and activation, the kernels' saved tensors
 
 
 def parse_tokens(text: str) -> int:
@@ -225,7 +226,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
     rejected.sort(key=lambda c: (c.time.total, c.memory.total))
-    return Plan(feasible, rejected, refused, budget, recipe)
+    return Plan(feasible, rejected, refused, budget, recipe, precision)
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
@@ -272,7 +273,8 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
              f"({efficiency_source(cluster)}); links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
-             "master and AdamW moments" + recipe_words(plan.recipe),
+             "master and AdamW moments" + ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
+                                           else "") + recipe_words(plan.recipe),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
              f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
@@ -328,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8", default="none", choices=FP8_CHOICES,
                         help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (timed at the "
                              "FP8 peak, twice bf16's, at the same efficiency; DeepSeek-V3 trained so); default none")
+    parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
+                        help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
+                             "keep their gathered input) or Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
+                             "gathered again backward); default trainer")
     parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
                         help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
                              "(the network carries min(top_k, M) rows per token); default 0, unlimited")
@@ -345,14 +351,14 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
     rank, c = rank_of(plan, **settings)
     if c is None:
         layout = Layout.of(**settings)
-        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, BF16_MIXED, plan.recipe))
+        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision, plan.recipe))
     if args.json:
         print(json.dumps({**c.row(), "rank": rank}))
     else:
         print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
         print("")
         print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
-                             seq_len, sequences, BF16_MIXED, plan.budget))
+                             seq_len, sequences, plan.precision, plan.budget))
     return 0
 
 
@@ -373,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = parse_tokens(args.global_batch_tokens)
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
         settings = parse_settings(args.explain) if args.explain is not None else None
-        plan = search(cfg, args.gpus, seq_len, tokens, cluster, recipe=Recipe(args.fp8 != "none", args.max_nodes))
+        plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
+                      Recipe(args.fp8 != "none", args.max_nodes))
         if settings is not None:
             return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
     except (ValueError, TypeError) as e:
