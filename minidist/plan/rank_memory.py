@@ -85,6 +85,7 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
 
 
+@functools.lru_cache(maxsize=64)
 def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
     """(chunks per rank, whether they sit in a V): zbv and dualpipev place two chunks per rank themselves, rank r
     holding chunks r and 2p−1−r (so rank 0 holds the first and the last: the embedding and the head); the other
@@ -193,25 +194,24 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
+    if schedule in ("zb1", "zbv", "dualpipev"):  # the peaks stop growing: one build serves every larger m
+        microbatches = min(microbatches, IN_FLIGHT_PLATEAU * pp)
     return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
 
 
 # Past this many micro-batches per stage a zero-bubble schedule only lengthens its steady state, which holds the
 # same activations: its peaks in flight are counted on the schedule built with this many (tests check the plateau).
-IN_FLIGHT_PLATEAU = 4
+IN_FLIGHT_PLATEAU = 2
 
 
 @functools.lru_cache(maxsize=1024)
 def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
     forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
-    rest of the forward's with them in this trainer). A zero-bubble schedule is built with at most
-    `IN_FLIGHT_PLATEAU`·p micro-batches (its peaks no longer grow), so a search over millions costs one build."""
-    m = microbatches
-    if schedule in ("zb1", "zbv", "dualpipev"):
-        m = min(m, IN_FLIGHT_PLATEAU * pp)
+    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `IN_FLIGHT_PLATEAU`·p
+    micro-batches of a zero-bubble schedule (its peaks no longer grow), so a search over millions costs one build."""
     peaks = []
-    for actions in build_any_schedule(schedule, pp, m, virtual_stages):
+    for actions in build_any_schedule(schedule, pp, microbatches, virtual_stages):
         release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until W
         live = peak = 0
         for action in actions:
@@ -389,7 +389,16 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
         states = model_state_bytes(cfg, layout, precision, stage)
         if memo is not None:
             memo[key] = states
-    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
+    d, o = layout.dims, layout.options
+    # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
+    key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
+           layout.recompute, micro_batch, seq_len, stage, precision)
+    acts_transient = memo.get(key) if memo is not None else None
+    if acts_transient is None:
+        acts_transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
+        if memo is not None:
+            memo[key] = acts_transient
+    acts, transient = acts_transient
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 

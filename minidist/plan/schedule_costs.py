@@ -8,8 +8,8 @@ and the simulator of `minidist.parallel.pp`), each (p, m) class built once.
   forward again inside B; selective recomputation adds no matmul.
 * Bubble: 1F1B / interleaved / AFAB by chapter 09's formulas; ZB-H1 and ZB-V by chapter 15's closed forms in
   T_F, T_B, T_W (`schedules.zb_makespan`); DualPipeV (no closed form away from equal costs) simulated on its built
-  schedule with at most `PLATEAU`·p micro-batches: its fill and drain do not grow with m (the tests check it), so
-  the excess over the work found there holds for every larger m.
+  schedule with `PLATEAU`·p micro-batches: its fill and drain do not grow with m (the tests check it), so the
+  excess over the work found there holds for every larger m; past `SIMULATED_UP_TO` ranks it grows linearly in p.
 * Overlapped pairs (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.2.1): in DualPipe's steady state a forward
   of one chunk runs beside a backward of the other, each one's all-to-all and pipeline sends hidden behind the
   other's compute. A pair is a forward followed at once by a backward of the other chunk in a rank's compute order
@@ -24,7 +24,8 @@ import functools
 from minidist.parallel.pp.schedules import COMPUTE, ZB_SCHEDULES, B, F, bubble_formula, simulate, zb_bubble_formula
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 
-PLATEAU = 4  # DualPipeV is simulated and paired with at most this many micro-batches per pipeline rank
+PLATEAU = 2  # DualPipeV is simulated and paired with at most this many micro-batches per pipeline rank
+SIMULATED_UP_TO = 16  # pipeline ranks; beyond, DualPipeV's excess grows by the same amount per rank (tests check it)
 
 
 def split_costs(attention_share: float, recompute: str = "none") -> tuple[float, float, float]:
@@ -44,11 +45,22 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: i
         return 0.0
     if schedule not in ZB_SCHEDULES:
         return bubble_formula(schedule, pp, microbatches, virtual_stages)
-    t_f, t_b, t_w = (round(c / sum(costs), 6) for c in costs)  # a few classes of ratios, cached
+    t_f, t_b, t_w = (round(c / sum(costs), 2) for c in costs)  # a few classes of ratios (to 1%), cached
     if schedule == "dualpipev":
-        excess = _dualpipev_excess(pp, min(microbatches, PLATEAU * pp), t_f, t_b, t_w)
+        excess = dualpipev_excess(pp, t_f, t_b, t_w)
         return excess / (microbatches * (t_f + t_b + t_w) + excess)
     return zb_bubble_formula(schedule, pp, microbatches, t_f, t_b, t_w)
+
+
+def dualpipev_excess(pp: int, t_f: float, t_b: float, t_w: float) -> float:
+    """DualPipeV's step less its work, for any m >= 2p: simulated with 2p micro-batches up to `SIMULATED_UP_TO`
+    ranks, and beyond extended by the growth per rank found there (linear in p: the fill and the drain add the same
+    per rank of depth)."""
+    if pp <= SIMULATED_UP_TO:
+        return _dualpipev_excess(pp, PLATEAU * pp, t_f, t_b, t_w)
+    top = _dualpipev_excess(SIMULATED_UP_TO, PLATEAU * SIMULATED_UP_TO, t_f, t_b, t_w)
+    below = _dualpipev_excess(SIMULATED_UP_TO - 1, PLATEAU * (SIMULATED_UP_TO - 1), t_f, t_b, t_w)
+    return top + (top - below) * (pp - SIMULATED_UP_TO)
 
 
 @functools.lru_cache(maxsize=4096)

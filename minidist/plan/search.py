@@ -200,6 +200,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     feasible, rejected = [], []
     per_token = token_flops(cfg, seq_len)
     memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
+    time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
@@ -217,7 +218,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             continue
         micro_batch = sequences // (dims.dp * m)
         memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
-        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe)
+        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
         fits = memory.total <= budget
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
         if fits:

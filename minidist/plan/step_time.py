@@ -172,8 +172,9 @@ DEFAULT_RECIPE = Recipe()  # bf16 GEMMs, routing unlimited: the trainer's defaul
 
 def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
                  precision: Precision, per_token: TokenFlops | None = None,
-                 recipe: Recipe = DEFAULT_RECIPE) -> StepTime:
-    """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster`."""
+                 recipe: Recipe = DEFAULT_RECIPE, memo: dict | None = None) -> StepTime:
+    """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster` (`memo`: a search's
+    dict, one model, cluster and precision)."""
     rate = cluster.peak_flops * cluster.efficiency
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     compute = compute_seconds(flops, cluster, recipe.fp8)
@@ -216,7 +217,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     # pair taking max(compute, communication) instead of their sum
     paired = paired_share(o.schedule, dims.pp, m)
     overlap = min(paired * (ep + pp), paired * compute)
-    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
+    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute, memo)
     costs = split_costs(flops.attention / flops.total, layout.recompute)
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
     share = overlap / (ep + pp) if overlap else 0.0
@@ -242,12 +243,30 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
 
 
 def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
-                        compute: float) -> tuple[float, float]:
-    """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups."""
+                        compute: float, memo: dict | None = None) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups (`memo`: a
+    search's dict for one model, precision and cluster, the collectives computed once per layout but m's)."""
+    o = layout.options
+    key = ("dp", layout.dims, o.zero, o.microbatches, o.schedule, o.virtual_stages)
+    found = memo.get(key) if memo is not None else None
+    if found is None:
+        found = _replica_collectives(cfg, layout, cluster, precision)
+        if memo is not None:
+            memo[key] = found
+    overlappable, exposed = found
+    m, backward, zero = o.microbatches, 2 * compute / 3, o.zero
+    window = compute if zero == 3 else backward if zero == 2 else backward / m
+    hidden = min(overlappable, window)
+    return exposed + overlappable - hidden, hidden
+
+
+def _replica_collectives(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision
+                         ) -> tuple[float, float]:
+    """(seconds that can overlap the backward, seconds exposed) of the replica groups' collectives."""
     counts = rank_params(cfg, layout, 0)
     span = layout.dims.tp * layout.dims.cp * layout.dims.dp
     groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
-    m, backward, zero = layout.options.microbatches, 2 * compute / 3, layout.options.zero
+    m, zero = layout.options.microbatches, layout.options.zero
     overlappable = exposed = 0.0
     for n, size in groups:
         if size == 1 or n == 0:
@@ -264,6 +283,4 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
                 overlappable += 2 * m * collective_time("all_gather", params, size, link)
             else:
                 exposed += collective_time("all_gather", params, size, link)  # the updated parameters
-    window = compute if zero == 3 else backward if zero == 2 else backward / m
-    hidden = min(overlappable, window)
-    return exposed + overlappable - hidden, hidden
+    return overlappable, exposed
