@@ -18,7 +18,9 @@ RMSNorm, RoPE and SwiGLU and keep sequence-parallel inputs sharded), DeepSeek-V3
 (`step_time.Recipe`: FP8 GEMMs in the blocks' linears, each token's experts on at most 4 nodes) and DualPipe, here
 its V form (`dualpipev`: the same overlapped pairs, half the parameter copies). The run's other settings
 (micro-batches, virtual stages, recomputation) are left to the search, as `--explain` leaves them: the fastest
-variant that fits. `Held.rank_available` places the published layout among the layouts that use only what the run
+variant that fits. The 16,384-GPU run is held a second time with this trainer's kernels (`rank_memory.BF16_MIXED`),
+under which its shape fits only with full recomputation: the papers do not give the activation memory that would
+tell the two apart. `Held.rank_available` places the published layout among the layouts that use only what the run
 had: Llama 3's stack ran 1F1B / interleaved schedules (§3.3.2), not the zero-bubble ones (Qi et al., November 2023)
 nor DualPipe (December 2024, after it).
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
-from minidist.plan.rank_memory import BF16_MEGATRON, Precision
+from minidist.plan.rank_memory import BF16_MEGATRON, BF16_MIXED, Precision
 from minidist.plan.search import Candidate, Plan, rank_of, search
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
 
@@ -68,6 +70,9 @@ def published_runs() -> list[PublishedRun]:
         PublishedRun("Llama 3 405B, 16,384 H100", "llama3-405b", "H100-SXM", 16384, 8192, 2048, {**llama, "dp": 128},
                      _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU",
                      unavailable=ZERO_BUBBLE),
+        PublishedRun("Llama 3 405B, 16,384 H100, this trainer's kernels", "llama3-405b", "H100-SXM", 16384, 8192,
+                     2048, {**llama, "dp": 128}, _from_tflops("llama3-405b", 8192, 2048, 16384, 400),
+                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZERO_BUBBLE),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
                      "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8=True, max_nodes=4)),
@@ -77,7 +82,7 @@ def published_runs() -> list[PublishedRun]:
 @dataclass(frozen=True)
 class Held:
     run: PublishedRun
-    predicted: Candidate  # the published layout as the planner sees it
+    predicted: Candidate  # the published layout as the planner sees it (its fastest variant the run could run)
     rank: int | None  # among the layouts that fit (None: it does not fit)
     feasible: int
     best: Candidate  # the planner's first choice
@@ -96,11 +101,13 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
         cluster = cluster_for_chip(run.chip, efficiency=None)
         plan = search(get_preset(run.model), run.gpus, run.seq_len, run.seq_len * run.sequences, cluster,
                       run.precision, run.recipe)
-    rank, candidate = rank_of(plan, **run.layout)
+    had = [c for c in plan.feasible if c.layout.options.schedule not in run.unavailable]
+    place, candidate = rank_of(Plan(had, []), **run.layout)  # the fastest variant the run's stack could run
+    if candidate is None:
+        place, candidate = rank_of(plan, **run.layout)
     if candidate is None:
         raise ValueError(f"{run.name}: the search has no layout {run.layout}")
-    had = [c for c in plan.feasible if c.layout.options.schedule not in run.unavailable]
-    place = next((i for i, c in enumerate(had, 1) if c is candidate), None)
+    rank = next((i for i, c in enumerate(plan.feasible, 1) if c is candidate), None)
     return Held(run, candidate, rank, len(plan.feasible), plan.feasible[0], place, len(had))
 
 
