@@ -245,42 +245,37 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
 def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
                         compute: float, memo: dict | None = None) -> tuple[float, float]:
     """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups (`memo`: a
-    search's dict for one model, precision and cluster, the collectives computed once per layout but m's)."""
+    search's dict for one model, precision and cluster: each collective computed once per grid shape)."""
     o = layout.options
-    key = ("dp", layout.dims, o.zero, o.microbatches, o.schedule, o.virtual_stages)
+    key = ("dp", layout.dims, o.schedule, o.virtual_stages)
     found = memo.get(key) if memo is not None else None
     if found is None:
         found = _replica_collectives(cfg, layout, cluster, precision)
         if memo is not None:
             memo[key] = found
-    overlappable, exposed = found
+    all_reduce, reduce_scatter, all_gather = found
     m, backward, zero = o.microbatches, 2 * compute / 3, o.zero
+    exposed = 0.0 if zero == 0 else all_gather  # ZeRO 1-2: the updated parameters gathered after the step
+    overlappable = all_reduce if zero == 0 else reduce_scatter * (m if zero >= 2 else 1)
+    if zero == 3:
+        exposed, overlappable = 0.0, overlappable + 2 * m * all_gather  # gathered for every forward and backward
     window = compute if zero == 3 else backward if zero == 2 else backward / m
     hidden = min(overlappable, window)
     return exposed + overlappable - hidden, hidden
 
 
 def _replica_collectives(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision
-                         ) -> tuple[float, float]:
-    """(seconds that can overlap the backward, seconds exposed) of the replica groups' collectives."""
-    counts = rank_params(cfg, layout, 0)
+                         ) -> tuple[float, float, float]:
+    """Seconds of one gradient all-reduce, one gradient reduce-scatter and one parameter all-gather over the
+    replica groups (dense over dp·cp, experts over edp), summed over the groups."""
     span = layout.dims.tp * layout.dims.cp * layout.dims.dp
-    groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
-    m, zero = layout.options.microbatches, layout.options.zero
-    overlappable = exposed = 0.0
-    for n, size in groups:
+    link = link_of(cluster, span)
+    out = [0.0, 0.0, 0.0]
+    for kind, n in rank_params(cfg, layout, 0).items():
+        size = layout.replicas[kind]
         if size == 1 or n == 0:
             continue
-        link = link_of(cluster, span)
-        grads = n * precision.grad
-        params = n * precision.param
-        if zero == 0:
-            overlappable += collective_time("all_reduce", grads, size, link)
-        else:
-            repeat = m if zero >= 2 else 1
-            overlappable += repeat * collective_time("reduce_scatter", grads, size, link)
-            if zero == 3:
-                overlappable += 2 * m * collective_time("all_gather", params, size, link)
-            else:
-                exposed += collective_time("all_gather", params, size, link)  # the updated parameters
-    return overlappable, exposed
+        out[0] += collective_time("all_reduce", n * precision.grad, size, link)
+        out[1] += collective_time("reduce_scatter", n * precision.grad, size, link)
+        out[2] += collective_time("all_gather", n * precision.param, size, link)
+    return out[0], out[1], out[2]
