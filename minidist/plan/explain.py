@@ -18,8 +18,12 @@ from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
-LEFT_OUT = ("FP8 matmuls (bf16 peak throughout)", "DualPipe and zero-bubble schedules (1F1B, interleaved, AFAB only)",
-            "node-limited routing and FP8 dispatch (every all-to-all charged in bf16 over the whole ep group)",
+LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM; FP8's at the same fraction of its "
+            "peak, its quantization not charged)",
+            "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
+            "hide in its overlapped pairs)",
+            "node-limited routing's NVLink hop overlapped with the network's (charged one after the other), the "
+            "routing's imbalance",
             "Llama 3's exact uneven stages (its first and last stage one layer fewer; here the last chunks are the "
             "short ones: the same busiest stage; the trainer interleaves equal chunks only)")
 
