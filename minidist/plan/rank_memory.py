@@ -16,7 +16,11 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`; under
   selective recomputation (`train.blocks.keep_matmuls`) its input and its matmul and attention outputs. A
   pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
-  schedule itself (`schedules.build_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09).
+  schedule itself (`zero_bubble.build_any_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09); under
+  chapter 15's schedules a forward lives until its W (ZB-H1: p on every rank, ZB-V 2p chunk passes, DualPipeV
+  2p + 1). ZB-V and DualPipeV place two chunks per rank in a V (`placement`): rank 0 holds the embedding and the
+  head. `Precision.fused` / `sp_regather`: Megatron-LM's kernels' saved tensors in place of this trainer's
+  (`BF16_MEGATRON`).
 
 Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
 padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's

@@ -2,17 +2,20 @@
 --global-batch-tokens 16M` lists the layouts that fit the chip's memory, fastest predicted first (chapter 12).
 
 It searches the degrees dp, tp, pp, cp, ep (dp·tp·pp·cp = the GPUs; ep carved out of dp·cp), the ZeRO stage, the
-number of micro-batches, the virtual stages of the interleaved schedule and full recomputation. Memory per rank
-is `rank_memory` (bf16 mixed precision: 2 + 2 + 12 bytes per parameter); step time is `step_time` (FLOPs at a
-stated fraction of the peak, the α-β model per dimension over NVLink or the network, the bubble, what overlaps).
+number of micro-batches, the pipeline schedule (1F1B, interleaved over 2, 4 or 8 virtual stages, and chapter 15's
+ZB-H1, ZB-V and DualPipeV: `pipeline_schedules`) and the recomputation. Memory per rank is `rank_memory` (bf16
+mixed precision: 2 + 2 + 12 bytes per parameter; the activations as this trainer's kernels keep them, or
+Megatron-LM's with `--kernels megatron`); step time is `step_time` (FLOPs at a stated fraction of the peak, FP8's
+with `--fp8`, the α-β model per dimension over NVLink or the network, the bubble for each schedule's T_F:T_B:T_W,
+what overlaps, DualPipeV's overlapped pairs; node-limited routing with `--max-nodes`).
 The rules that bound the search (each refused layout is counted with its reason):
 
 * tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
   whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
-  per rank; pp ≤ layers, the interleaved schedule needs micro-batches ≥ pp and pp·v ≤ layers + 2 (uneven chunks:
-  the embedding and the head take a layer's slot, as in Llama 3; the trainer itself interleaves equal chunks only);
-  recomputation none, selective (not with cp > 1) or full;
+  per rank; pp ≤ layers, the interleaved schedule and ZB-H1 need micro-batches ≥ pp, ZB-V and DualPipeV ≥ 2·pp;
+  chunks may be uneven (pp·v ≤ layers + 2: the embedding and the head take a layer's slot, as in Llama 3; the
+  trainer itself runs equal chunks only); recomputation none, selective (not with cp > 1) or full;
 * dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;

@@ -21,11 +21,18 @@ dimension, the pipeline bubble, and which communication hides behind compute.
          the reduction overlaps the backward it follows (the last micro-batch's, every one's from ZeRO-2),
          ZeRO-3's parameter gathers overlap the compute; the parameter all-gather after the step is exposed
 * Pipeline: the exposed per-micro-batch work stretches by the bubble, busy / (1 − bubble), with
-  `schedules.bubble_formula` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1)).
+  `schedule_costs.pipeline_bubble` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1); ZB-H1, ZB-V and DualPipeV for the
+  stage's T_F : T_B : T_W). The V schedules place two chunks per rank (the embedding and the head on rank 0,
+  `rank_memory.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
+  hide the pipeline sends and the ep all-to-all behind the paired chunk's compute, each pair max(compute,
+  communication) (DeepSeek-AI 2024, §3.2.1).
+* `Recipe`: FP8 GEMMs in the blocks' linears at the FP8 peak (`FP8_SPEEDUP`; the forward's dispatch in FP8);
+  node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, top_k over
+  NVLink, one after the other).
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
-Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, the
+Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, FP8's quantization, the
 network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
 """
 
