@@ -181,7 +181,24 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                  precision: Precision, per_token: TokenFlops | None = None,
                  recipe: Recipe = DEFAULT_RECIPE, memo: dict | None = None) -> StepTime:
     """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster` (`memo`: a search's
-    dict, one model, cluster and precision)."""
+    dict for one model, cluster, precision and recipe: all but the replica groups' terms are the same for every
+    ZeRO stage, computed once)."""
+    o = layout.options
+    key = ("stage", layout.dims, o.schedule, o.microbatches, o.virtual_stages, o.cp_impl, layout.sp_degree,
+           layout.recompute)
+    stage = memo.get(key) if memo is not None else None
+    if stage is None:
+        stage = _stage_time(cfg, layout, seq_len, global_batch, cluster, precision, per_token, recipe)
+        if memo is not None:
+            memo[key] = stage
+    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
+    return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
+                    stage.hidden + dp_hidden)
+
+
+def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
+                precision: Precision, per_token: TokenFlops | None, recipe: Recipe) -> StepTime:
+    """Every term of `predict_step` but the replica groups' (dp 0)."""
     rate = cluster.peak_flops * cluster.efficiency
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     compute = compute_seconds(flops, cluster, recipe.fp8)
@@ -224,12 +241,10 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     # pair taking max(compute, communication) instead of their sum
     paired = paired_share(o.schedule, dims.pp, m)
     overlap = min(paired * (ep + pp), paired * compute)
-    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute, memo)
     costs = split_costs(flops.attention / flops.total, layout.recompute)
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
     share = overlap / (ep + pp) if overlap else 0.0
-    return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), dp_exposed,
-                    dp_hidden + cp_hidden + overlap)
+    return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap)
 
 
 def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cluster, p: int,
