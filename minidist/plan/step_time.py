@@ -252,14 +252,14 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
     """Seconds of one all-to-all (dispatch or combine) of `tokens` tokens' top-k rows over the ep group, on the link
     the group spans. Node-limited routing (`max_nodes` > 0; DeepSeek-V3 §2.1.2 and §3.2.2: each token's experts on
     at most M nodes, a row crossing the network once per node and forwarded over NVLink to the experts there)
-    sends min(top_k, M) rows per token across the network and the top_k over NVLink inside the node."""
+    sends min(top_k, M, nodes) rows per token across the network and the top_k over NVLink inside the node."""
     dims, k = layout.dims, cfg.moe.top_k
     rows = tokens * k * cfg.d_model * p
     link = link_of(cluster, dims.tp * dims.ep)
     nodes = -(-dims.tp * dims.ep // cluster.gpus_per_node)
     if nodes == 1 or not max_nodes:
         return collective_time("all_to_all", rows, dims.ep, link)
-    inter = collective_time("all_to_all", rows * min(k, max_nodes) / k, dims.ep, link)
+    inter = collective_time("all_to_all", rows * min(k, max_nodes, nodes) / k, dims.ep, link)
     intra = collective_time("all_to_all", rows, cluster.gpus_per_node, link_of(cluster, cluster.gpus_per_node))
     return inter + intra
 
