@@ -160,3 +160,17 @@ def test_fp8_and_node_limited_routing():
     assert plain.compute / 2 < fp8.compute < plain.compute and fp8.ep < plain.ep  # FP8 dispatch: half the bytes
     limited = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(max_nodes=1))
     assert cfg.moe.top_k > 1 and limited.ep < plain.ep
+
+
+def test_recipe_flags_on_the_command_line(capsys):
+    """--kernels, --fp8 and --max-nodes reach the search (the report says what it assumed); a bad value is one
+    line."""
+    from minidist.plan.search import main
+
+    args = ["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "64K", "--top", "1"]
+    assert main([*args, "--kernels", "megatron", "--fp8", "blockwise", "--max-nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM's kernels" in out and "FP8" in out and "at most 2 nodes" in out and "schedule" in out
+    assert main([*args, "--max-nodes", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-nodes must be >= 0" in err
