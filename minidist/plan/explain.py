@@ -15,11 +15,15 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
 from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import Cluster, StepTime, predict_step
+from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
-LEFT_OUT = ("FP8 matmuls (bf16 peak throughout)", "DualPipe and zero-bubble schedules (1F1B, interleaved, AFAB only)",
-            "node-limited routing and FP8 dispatch (every all-to-all charged in bf16 over the whole ep group)",
+LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM; FP8's at the same fraction of its "
+            "peak, its quantization not charged)",
+            "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
+            "hide in its overlapped pairs)",
+            "node-limited routing's NVLink hop overlapped with the network's (charged one after the other), the "
+            "routing's imbalance",
             "Llama 3's exact uneven stages (its first and last stage one layer fewer; here the last chunks are the "
             "short ones: the same busiest stage; the trainer interleaves equal chunks only)")
 
@@ -58,12 +62,13 @@ def time_terms(t: StepTime) -> list[str]:
 
 
 def evaluate(cfg: ModelConfig, layout: Layout, seq_len: int, sequences: int, cluster: Cluster,
-             precision: Precision) -> tuple[MemoryEstimate, StepTime, bool]:
+             precision: Precision, recipe: Recipe = DEFAULT_RECIPE) -> tuple[MemoryEstimate, StepTime, bool]:
     """A layout outside the search: (memory of its heaviest stage, step time, whether it fits)."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
     memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
     budget = cluster.memory_bytes * cluster.usable_memory
-    return memory, predict_step(cfg, layout, seq_len, sequences, cluster, precision), memory.total <= budget
+    time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, recipe=recipe)
+    return memory, time, memory.total <= budget
 
 
 def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepTime, fits: bool, rank: int | None,

@@ -13,8 +13,16 @@ The published step time is the one the paper's own figure implies, with this cou
   ZeRO-1 data parallel (DP 128), no TP; 15,360 sequences of 4,096 tokens per step at the end of the batch ramp;
   180K H800 GPU-hours per trillion tokens, i.e. 10^12 / (180,000 · 3,600) tokens per second per GPU.
 
-The run's other settings (micro-batches, virtual stages, recomputation) are left to the search, as `--explain`
-leaves them: the fastest variant that fits.
+Both runs are searched with Megatron-LM's kernels' saved activations (`rank_memory.BF16_MEGATRON`: both stacks fuse
+RMSNorm, RoPE and SwiGLU and keep sequence-parallel inputs sharded), DeepSeek-V3 with its own recipe besides
+(`step_time.Recipe`: FP8 GEMMs in the blocks' linears, each token's experts on at most 4 nodes) and DualPipe, here
+its V form (`dualpipev`: the same overlapped pairs, half the parameter copies). The run's other settings
+(micro-batches, virtual stages, recomputation) are left to the search, as `--explain` leaves them: the fastest
+variant that fits. The 16,384-GPU run is held a second time with this trainer's kernels (`rank_memory.BF16_MIXED`),
+under which its shape fits only with full recomputation: the papers do not give the activation memory that would
+tell the two apart. `Held.rank_available` places the published layout among the layouts that use only what the run
+had: Llama 3's stack ran 1F1B / interleaved schedules (§3.3.2), not the zero-bubble ones (Qi et al., November 2023)
+nor DualPipe (December 2024, after it).
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ from dataclasses import dataclass
 
 from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
+from minidist.plan.rank_memory import BF16_MEGATRON, BF16_MIXED, Precision
 from minidist.plan.search import Candidate, Plan, rank_of, search
-from minidist.plan.step_time import cluster_for_chip
+from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
+
+ZERO_BUBBLE = ("zb1", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class PublishedRun:
     layout: dict  # the published degrees (and ZeRO stage where the paper states it)
     seconds: float  # the published step time (derived from the paper's figure, see `source`)
     source: str
+    recipe: Recipe = DEFAULT_RECIPE
+    precision: Precision = BF16_MEGATRON
+    unavailable: tuple[str, ...] = ()  # schedules the run's stack did not have
 
 
 def _from_tflops(model: str, seq_len: int, sequences: int, gpus: int, tflops: float) -> float:
@@ -51,22 +65,29 @@ def published_runs() -> list[PublishedRun]:
     ds_seconds = 4096 * 15360 / (2048 * 1e12 / (180_000 * 3600))
     return [
         PublishedRun("Llama 3 405B, 8,192 H100", "llama3-405b", "H100-SXM", 8192, 8192, 2048, {**llama, "dp": 64},
-                     _from_tflops("llama3-405b", 8192, 2048, 8192, 430), "Llama 3 Table 4: 430 TFLOP/s per GPU"),
+                     _from_tflops("llama3-405b", 8192, 2048, 8192, 430), "Llama 3 Table 4: 430 TFLOP/s per GPU",
+                     unavailable=ZERO_BUBBLE),
         PublishedRun("Llama 3 405B, 16,384 H100", "llama3-405b", "H100-SXM", 16384, 8192, 2048, {**llama, "dp": 128},
-                     _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU"),
+                     _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU",
+                     unavailable=ZERO_BUBBLE),
+        PublishedRun("Llama 3 405B, 16,384 H100, this trainer's kernels", "llama3-405b", "H100-SXM", 16384, 8192,
+                     2048, {**llama, "dp": 128}, _from_tflops("llama3-405b", 8192, 2048, 16384, 400),
+                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZERO_BUBBLE),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
-                     dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1), ds_seconds,
-                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens"),
+                     dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
+                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8=True, max_nodes=4)),
     ]
 
 
 @dataclass(frozen=True)
 class Held:
     run: PublishedRun
-    predicted: Candidate  # the published layout as the planner sees it
+    predicted: Candidate  # the published layout as the planner sees it (its fastest variant the run could run)
     rank: int | None  # among the layouts that fit (None: it does not fit)
     feasible: int
     best: Candidate  # the planner's first choice
+    rank_available: int | None  # among the layouts that fit and use only what the run had
+    available: int
 
     @property
     def ratio(self) -> float:
@@ -78,21 +99,27 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
     published matmul efficiency) and its published layout's place in it."""
     if plan is None:
         cluster = cluster_for_chip(run.chip, efficiency=None)
-        plan = search(get_preset(run.model), run.gpus, run.seq_len, run.seq_len * run.sequences, cluster)
-    rank, candidate = rank_of(plan, **run.layout)
+        plan = search(get_preset(run.model), run.gpus, run.seq_len, run.seq_len * run.sequences, cluster,
+                      run.precision, run.recipe)
+    had = [c for c in plan.feasible if c.layout.options.schedule not in run.unavailable]
+    place, candidate = rank_of(Plan(had, []), **run.layout)  # the fastest variant the run's stack could run
+    if candidate is None:
+        place, candidate = rank_of(plan, **run.layout)
     if candidate is None:
         raise ValueError(f"{run.name}: the search has no layout {run.layout}")
-    return Held(run, candidate, rank, len(plan.feasible), plan.feasible[0])
+    rank = next((i for i, c in enumerate(plan.feasible, 1) if c is candidate), None)
+    return Held(run, candidate, rank, len(plan.feasible), plan.feasible[0], place, len(had))
 
 
 def table(held: list[Held]) -> str:
     """The Markdown table of docs/PUBLISHED_RUNS.md and chapter 12."""
     from minidist.plan.search import describe_layout
 
-    lines = ["| published run | layout the planner evaluates | predicted s | published s | ratio | rank |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| published run | layout the planner evaluates | predicted s | published s | ratio | rank | rank among "
+             "what the run had |", "|---|---|---:|---:|---:|---:|---:|"]
     for h in held:
         place = f"{h.rank} of {h.feasible}" if h.rank else "does not fit"
-        lines.append(f"| {h.run.name} | {describe_layout(h.predicted.layout)} | {h.predicted.time.total:.1f} | "
-                     f"{h.run.seconds:.1f} | {h.ratio:.2f} | {place} |")
+        had = f"{h.rank_available} of {h.available}" if h.rank_available else "does not fit"
+        lines.append(f"| {h.run.name} | {describe_layout(h.predicted.layout)} | {h.predicted.time.total:.2f} | "
+                     f"{h.run.seconds:.2f} | {h.ratio:.2f} | {place} | {had} |")
     return "\n".join(lines)

@@ -16,7 +16,11 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`; under
   selective recomputation (`train.blocks.keep_matmuls`) its input and its matmul and attention outputs. A
   pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
-  schedule itself (`schedules.build_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09).
+  schedule itself (`zero_bubble.build_any_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09); under
+  chapter 15's schedules a forward lives until its W (ZB-H1: p on every rank, ZB-V 2p chunk passes, DualPipeV
+  2p + 1). ZB-V and DualPipeV place two chunks per rank in a V (`placement`): rank 0 holds the embedding and the
+  head. `Precision.fused` / `sp_regather`: Megatron-LM's kernels' saved tensors in place of this trainer's
+  (`BF16_MEGATRON`).
 
 Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
 padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's
@@ -51,12 +55,24 @@ class Precision:
     optimizer: int
     activation: int
     residual: int
+    # What the kernels keep, where implementations differ (`layer_activation_bytes`): False, False is this trainer
+    fused: bool = False  # fused RMSNorm, RoPE and SwiGLU kernels keep only their inputs (and RMSNorm's 1/rms)
+    sp_regather: bool = False  # an SP column-parallel linear keeps its input sharded, gathers it again backward
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
 FP32 = Precision(param=4, grad=4, optimizer=8, activation=4, residual=4)
 # Mixed precision as in ZeRO §3.1 and Megatron-LM: bf16 weights and gradients, fp32 master copy and moments.
 BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
+# The same with Megatron-LM's kernels, as the published large runs use them (Korthikanti et al. 2022, §4.2.2: with
+# sequence parallelism every saved activation of a block is split over tp): a fused RMSNorm that keeps its bf16
+# input and 1/rms; RoPE applied inside a fused kernel that keeps nothing (q and k kept once, as the attention's
+# inputs); a fused SwiGLU that keeps its input [x·W1, x·W3] and recomputes the SiLU and the product backward (the
+# second linear keeps its own input: 3 of the trainer's 4 tensors of the feed-forward's width); sequence-parallel
+# linears that keep their input sharded and all-gather it again in the backward
+# (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
+BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True)
+PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON}  # the planner's --kernels
 
 
 @dataclass(frozen=True)
@@ -73,16 +89,30 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
 
 
+@functools.lru_cache(maxsize=64)
+def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
+    """(chunks per rank, whether they sit in a V): zbv and dualpipev place two chunks per rank themselves, rank r
+    holding chunks r and 2p−1−r (so rank 0 holds the first and the last: the embedding and the head); the other
+    schedules `virtual_stages` chunks in a loop (chunk c on rank c mod p)."""
+    return chunks_per_rank(schedule, virtual_stages), schedule in V_SCHEDULES
+
+
+def head_stage(schedule: str, pp: int) -> int:
+    """The pipeline rank that holds the last chunk (the final norm, the head and the loss)."""
+    return 0 if schedule in V_SCHEDULES else pp - 1
+
+
 @functools.lru_cache(maxsize=65536)
-def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int, v_shape: bool = False) -> tuple[int, ...]:
     """The layer indices pipeline rank `stage` holds (all its chunks)."""
     chunks = chunk_layers(n_layers, pp, virtual_stages)
-    return tuple(i for c in rank_chunks(stage, pp, virtual_stages) for i in chunks[c])
+    return tuple(i for c in rank_chunks(stage, pp, virtual_stages, v_shape) for i in chunks[c])
 
 
-def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
-    """(dense blocks, MoE blocks) pipeline rank `stage` holds."""
-    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages, stage)
+def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int, schedule: str = "1f1b") -> tuple[int, int]:
+    """(dense blocks, MoE blocks) pipeline rank `stage` holds under `schedule`'s placement."""
+    v, v_shape = placement(schedule, virtual_stages)
+    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, v, stage, v_shape)
 
 
 def _first_moe_layer(cfg: ModelConfig) -> int:
@@ -90,21 +120,23 @@ def _first_moe_layer(cfg: ModelConfig) -> int:
     return cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
 
 
-def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int) -> tuple[int, int]:
+def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, schedule: str = "1f1b") -> tuple[int, int]:
     """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
     one whose per-block communication sets the pace."""
-    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, virtual_stages)
+    v, v_shape = placement(schedule, virtual_stages)
+    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, v, v_shape)
 
 
 @functools.lru_cache(maxsize=65536)
-def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int) -> tuple[int, int]:
-    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s) for s in range(pp))
+def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int, v_shape: bool) -> tuple[int, int]:
+    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s, v_shape) for s in range(pp))
     return max(kinds, key=lambda k: (sum(k), k[1]))
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
-    layers = _stage_layers(n_layers, pp, virtual_stages, stage)
+def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int,
+                 v_shape: bool = False) -> tuple[int, int]:
+    layers = _stage_layers(n_layers, pp, virtual_stages, stage, v_shape)
     moe = sum(i >= first_moe for i in layers)
     return len(layers) - moe, moe
 
@@ -119,7 +151,8 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
         attn_local = latent + (attn - latent) // tp + attn_extra
     else:
         attn_local = attn // tp + attn_extra // tp
-    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, layout.options.virtual_stages, stage)
+    o = layout.options
+    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, o.virtual_stages, stage, o.schedule)
     dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
     experts = 0
     if n_moe:
@@ -131,8 +164,9 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
     dense += n_dense * ((w + b) // tp)
     if stage == 0:
         dense += cfg.vocab_size * cfg.d_model // tp
-    if stage == layout.dims.pp - 1:
-        dense += cfg.d_model + (0 if cfg.tie_embeddings and layout.dims.pp == 1 else cfg.vocab_size * cfg.d_model // tp)
+    if stage == head_stage(o.schedule, layout.dims.pp):  # under a V the first stage: a tied head is its embedding
+        tied_here = cfg.tie_embeddings and stage == 0
+        dense += cfg.d_model + (0 if tied_here else cfg.vocab_size * cfg.d_model // tp)
     return {"dense": dense, "experts": experts}
 
 
@@ -164,41 +198,70 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
-    live = peak = 0
-    actions = build_any_schedule(schedule, pp, microbatches, virtual_stages)[stage]
-    release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until its W
-    for action in actions:
-        if action.kind in (F, release):
-            live += 1 if action.kind == F else -1
-            peak = max(peak, live)
-    return peak
+    if schedule in ("zb1", "zbv", "dualpipev"):  # the peaks stop growing: one build serves every larger m
+        microbatches = min(microbatches, IN_FLIGHT_PLATEAU * pp)
+    return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
 
 
-def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1) -> float:
-    # RMSNorm: its fp32 input, 1/rms, the normalized tensor; its output counted by the caller (a linear's input).
-    return (4 * n * dim + 4 * n + p * n * dim) / sp_tp
+# Past this many micro-batches per stage a zero-bubble schedule only lengthens its steady state, which holds the
+# same activations: its peaks in flight are counted on the schedule built with this many (tests check the plateau).
+IN_FLIGHT_PLATEAU = 2
 
 
-def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int) -> float:
-    """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each)."""
+@functools.lru_cache(maxsize=1024)
+def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
+    forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
+    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `IN_FLIGHT_PLATEAU`·p
+    micro-batches of a zero-bubble schedule (its peaks no longer grow), so a search over millions costs one build."""
+    peaks = []
+    for actions in build_any_schedule(schedule, pp, microbatches, virtual_stages):
+        release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until W
+        live = peak = 0
+        for action in actions:
+            if action.kind in (F, release):
+                live += 1 if action.kind == F else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1, fused: bool = False) -> float:
+    # RMSNorm: its fp32 input, 1/rms, the normalized tensor (a fused kernel: its input as it is and 1/rms); its
+    # output counted by the caller (a linear's input).
+    return (p * n * dim + 4 * n if fused else 4 * n * dim + 4 * n + p * n * dim) / sp_tp
+
+
+def _region_input_bytes(n: int, d: int, p: int, sp: int, fused: bool, sp_regather: bool) -> float:
+    """A region's (attention's, the feed-forward's, the head's) norm and the input its first linears save: whole
+    (no SP), gathered over the sequence (the trainer's SP), or sharded and gathered again backward (Megatron's)."""
+    return _norm_bytes(n, d, p, sp, fused) + p * n * d / (sp if sp_regather else 1)
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int,
+                           fused: bool = False, sp_regather: bool = False) -> float:
+    """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each), with
+    this trainer's kernels or (`fused`, `sp_regather`: `Precision`'s) Megatron-LM's."""
     tp, d = layout.dims.tp, cfg.d_model
     n = tokens
     sp = layout.sp_degree
-    # Each region (attention, feed-forward) starts with a norm; its output is the region's input, which the first
-    # linears save: whole (no SP), or gathered over the sequence (SP): p·n·d either way.
-    norms = 2 * (_norm_bytes(n, d, p, sp) + p * n * d)
+    norms = 2 * _region_input_bytes(n, d, p, sp, fused, sp_regather)
+    swiglu = 3 if fused else 4  # x·W1, x·W3, the SiLU, the product (fused: the first two and the product)
     if cfg.attention == "mla":
         m, h = cfg.mla, cfg.n_heads // tp
         d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        latents = _norm_bytes(n, m.kv_lora_rank, p) + p * n * m.kv_lora_rank  # the latent, normed, into wkv_b
+        # the latent, normed, into wkv_b
+        latents = _norm_bytes(n, m.kv_lora_rank, p, fused=fused) + p * n * m.kv_lora_rank
         if m.q_lora_rank:
-            latents += _norm_bytes(n, m.q_lora_rank, p) + p * n * m.q_lora_rank
-        # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo; fp32 log-sum-exp
-        attention = latents + p * n * h * (3 * d_qk + 3 * d_v) + 4 * n * h
+            latents += _norm_bytes(n, m.q_lora_rank, p, fused=fused) + p * n * m.q_lora_rank
+        # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo (fused: q, k, v, the
+        # output); fp32 log-sum-exp
+        copies = 2 if fused else 3
+        attention = latents + p * n * h * copies * (d_qk + d_v) + 4 * n * h
     else:
         kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
-        attention = p * n * (3 * q + 2 * kv) + 4 * n * cfg.n_heads // tp
+        attention = p * n * ((2 if fused else 3) * q + 2 * kv) + 4 * n * cfg.n_heads // tp  # q before RoPE too
         if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
             attention += 2 * p * n * kv * (layout.dims.cp - 1)
     if _is_moe_layer(cfg, layer):
@@ -209,11 +272,11 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         router = 4 * n * e * 2 + n * k * (8 + 4 + 4) + 8 * n
         # the gathered rows, the experts' outputs and the gated ones (index_add keeps its source), two indices
         rows = 3 * p * slots * d + 8 * slots * 2
-        experts = 4 * p * slots * d_expert
-        shared = 4 * p * n * d_expert * moe.n_shared_experts
+        experts = swiglu * p * slots * d_expert
+        shared = swiglu * p * n * d_expert * moe.n_shared_experts
         mlp = router + rows + experts + shared
     else:
-        mlp = 4 * p * n * cfg.d_ff // tp
+        mlp = swiglu * p * n * cfg.d_ff // tp
     return norms + attention + mlp
 
 
@@ -246,10 +309,10 @@ def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Lay
     return kept + attention + mlp
 
 
-def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int) -> float:
+def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int, fused: bool = False,
+                          sp_regather: bool = False) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
-    sp = layout.sp_degree
-    return _norm_bytes(tokens, cfg.d_model, p, sp) + p * tokens * cfg.d_model + \
+    return _region_input_bytes(tokens, cfg.d_model, p, layout.sp_degree, fused, sp_regather) + \
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
@@ -262,8 +325,9 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
         return memo[key]
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
-    out = (layer_activation_bytes(cfg, 0, tokens, layout, p),
-           layer_activation_bytes(cfg, moe_index, tokens, layout, p),
+    kernels = (precision.fused, precision.sp_regather)
+    out = (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
+           layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
            selective_layer_bytes(cfg, 0, tokens, layout, p, r),
            selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
     if memo is not None:
@@ -279,7 +343,7 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     dims, options = layout.dims, layout.options
     tokens = micro_batch * seq_len // dims.cp
     # Blocks of one kind (dense or MoE) save the same bytes: one evaluation per kind (the planner calls this a lot).
-    n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage)
+    n_dense, n_moe = stage_kinds(cfg, dims.pp, options.virtual_stages, stage, options.schedule)
     dense_b, moe_b, dense_s, moe_s = _block_bytes(cfg, layout, tokens, precision, memo)
     per_kind = [(n, b) for n, b in ((n_dense, dense_b), (n_moe, moe_b)) if n]
     sp = layout.sp_degree
@@ -292,10 +356,12 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
         transient = max(max(b - s, 0.0) for _, b, s in selective)  # one block's rebuilt element-wise tensors
     else:
         kept, transient = sum(n * b for n, b in per_kind), 0.0
-    last = stage == (0 if options.schedule in V_SCHEDULES else dims.pp - 1)  # the rank that holds the head
+    last = stage == head_stage(options.schedule, dims.pp)  # the rank that holds the head
     one_chunk_pass = kept / chunks_per_rank(options.schedule, options.virtual_stages)  # zbv: two chunks implied
     in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
-    total = one_chunk_pass * in_flight + (head_activation_bytes(cfg, tokens, layout, p) if last else 0.0)
+    total = one_chunk_pass * in_flight
+    if last:
+        total += head_activation_bytes(cfg, tokens, layout, p, precision.fused, precision.sp_regather)
     if stage == 0:
         total += 8 * tokens  # the embedding's token indices
     return total, transient
@@ -320,13 +386,23 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
                 memo[key] = stages
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
                    key=lambda e: e.total)
-    key = ("states", layout.dims, layout.options.zero, layout.options.virtual_stages, stage, precision)
+    o = layout.options
+    key = ("states", layout.dims, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
     states = memo.get(key) if memo is not None else None
     if states is None:
         states = model_state_bytes(cfg, layout, precision, stage)
         if memo is not None:
             memo[key] = states
-    acts, transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
+    d, o = layout.dims, layout.options
+    # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
+    key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
+           layout.recompute, micro_batch, seq_len, stage, precision)
+    acts_transient = memo.get(key) if memo is not None else None
+    if acts_transient is None:
+        acts_transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
+        if memo is not None:
+            memo[key] = acts_transient
+    acts, transient = acts_transient
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 
@@ -337,7 +413,8 @@ def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:
     dims, o = layout.dims, layout.options
     most: dict[tuple, tuple[int, int]] = {}  # class -> (chunks in flight, stage)
     for s in range(dims.pp):
-        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s), s == 0, s == dims.pp - 1)
+        head = s == head_stage(o.schedule, dims.pp)
+        key = (stage_kinds(cfg, dims.pp, o.virtual_stages, s, o.schedule), s == 0, head)
         flight = chunks_in_flight(o.schedule, dims.pp, o.microbatches, o.virtual_stages, s)
         if key not in most or flight > most[key][0]:
             most[key] = (flight, s)

@@ -2,17 +2,20 @@
 --global-batch-tokens 16M` lists the layouts that fit the chip's memory, fastest predicted first (chapter 12).
 
 It searches the degrees dp, tp, pp, cp, ep (dp·tp·pp·cp = the GPUs; ep carved out of dp·cp), the ZeRO stage, the
-number of micro-batches, the virtual stages of the interleaved schedule and full recomputation. Memory per rank
-is `rank_memory` (bf16 mixed precision: 2 + 2 + 12 bytes per parameter); step time is `step_time` (FLOPs at a
-stated fraction of the peak, the α-β model per dimension over NVLink or the network, the bubble, what overlaps).
+number of micro-batches, the pipeline schedule (1F1B, interleaved over 2, 4 or 8 virtual stages, and chapter 15's
+ZB-H1, ZB-V and DualPipeV: `pipeline_schedules`) and the recomputation. Memory per rank is `rank_memory` (bf16
+mixed precision: 2 + 2 + 12 bytes per parameter; the activations as this trainer's kernels keep them, or
+Megatron-LM's with `--kernels megatron`); step time is `step_time` (FLOPs at a stated fraction of the peak, FP8's
+with `--fp8`, the α-β model per dimension over NVLink or the network, the bubble for each schedule's T_F:T_B:T_W,
+what overlaps, DualPipeV's overlapped pairs; node-limited routing with `--max-nodes`).
 The rules that bound the search (each refused layout is counted with its reason):
 
 * tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
   whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
-  per rank; pp ≤ layers, the interleaved schedule needs micro-batches ≥ pp and pp·v ≤ layers + 2 (uneven chunks:
-  the embedding and the head take a layer's slot, as in Llama 3; the trainer itself interleaves equal chunks only);
-  recomputation none, selective (not with cp > 1) or full;
+  per rank; pp ≤ layers, the interleaved schedule and ZB-H1 need micro-batches ≥ pp, ZB-V and DualPipeV ≥ 2·pp;
+  chunks may be uneven (pp·v ≤ layers + 2: the embedding and the head take a layer's slot, as in Llama 3; the
+  trainer itself runs equal chunks only); recomputation none, selective (not with cp > 1) or full;
 * dp divides the global batch's sequences, micro-batches divide each replica's sequences, at least pp of them
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;
@@ -40,10 +43,12 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
-from minidist.plan.rank_memory import BF16_MIXED, MemoryEstimate, Precision, estimate_memory
+from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import (
     DEFAULT_EFFICIENCY,
+    DEFAULT_RECIPE,
     Cluster,
+    Recipe,
     StepTime,
     cluster_for_chip,
     efficiency_source,
@@ -55,8 +60,9 @@ from minidist.train.config import OneLineParser
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
 MIN_CP_TOKENS = 1024
-JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "virtual_stages", "recompute", "mem_gib", "step_s",
-             "fits", "heaviest_stage")
+FP8_CHOICES = ("none", "tensorwise", "rowwise", "blockwise")  # the trainer's --fp8 recipes (model/fp8_linear.py)
+JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "microbatches", "virtual_stages", "recompute",
+             "mem_gib", "step_s", "fits", "heaviest_stage")
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Plan:
     rejected: list[Candidate]  # over the memory budget, fastest first
     refused: Counter = field(default_factory=Counter)  # reasons a point of the grid is not a layout, with counts
     budget: float = 0.0  # usable bytes per chip
+    recipe: Recipe = DEFAULT_RECIPE  # FP8, node-limited routing: as the search assumed them
+    precision: Precision = BF16_MIXED  # bytes per parameter and activation, the kernels' saved tensors
 
 
 def parse_tokens(text: str) -> int:
@@ -157,18 +165,30 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             recomputes = ("none", "full") if cp > 1 else ("none", "selective", "full")  # as the trainer runs them
             for ep, zero, m, recompute in itertools.product(eps, range(4), micro, recomputes):
                 dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-                # Uneven chunks, as Llama 3 makes them (its first and last stage one layer fewer: the embedding and
-                # the head take a layer's slot), so up to two chunks hold no block (`chunk_layers` leaves the last
-                # ones short). The trainer runs interleaving only with equal chunks (pp·v dividing the layers).
-                virtual = [1] + [v for v in (2, 4, 8) if pp > 1 and m >= pp and pp * v <= cfg.n_layers + 2]
-                for v in virtual:
-                    options = ParallelOptions(sequence_parallel=tp > 1, schedule="interleaved" if v > 1 else "1f1b",
-                                              microbatches=m, virtual_stages=v, zero=zero)
+                for schedule, v in pipeline_schedules(cfg.n_layers, pp, m):
+                    options = ParallelOptions(sequence_parallel=tp > 1, schedule=schedule, microbatches=m,
+                                              virtual_stages=v, zero=zero)
                     yield Layout(dims, options, recompute)
 
 
+def pipeline_schedules(n_layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) the search tries for a pipeline of pp stages and m micro-batches: 1F1B; the
+    interleaved schedule over 2, 4, 8 chunks per rank (m >= p); ZB-H1 (m >= p); ZB-V and DualPipeV, two chunks per
+    rank in a V (m >= 2p). Chunks may be uneven, as Llama 3 makes them (its first and last stage one layer fewer:
+    the embedding and the head take a layer's slot), so up to two chunks hold no block (`chunk_layers` leaves the
+    last ones short); the trainer itself runs interleaving and the V only with equal chunks."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    if microbatches >= pp:
+        out += [("interleaved", v) for v in (2, 4, 8) if pp * v <= n_layers + 2] + [("zb1", 1)]
+    if microbatches >= 2 * pp and 2 * pp <= n_layers + 2:
+        out += [("zbv", 1), ("dualpipev", 1)]
+    return out
+
+
 def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
-           precision: Precision = BF16_MIXED) -> Plan:
+           precision: Precision = BF16_MIXED, recipe: Recipe = DEFAULT_RECIPE) -> Plan:
     """Every admitted layout with its memory and predicted step time, split by whether it fits the chip."""
     sequences = global_batch_sequences(global_tokens, seq_len)
     if gpus < 1:
@@ -183,6 +203,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     feasible, rejected = [], []
     per_token = token_flops(cfg, seq_len)
     memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
+    time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
@@ -200,7 +221,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             continue
         micro_batch = sequences // (dims.dp * m)
         memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
-        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token)
+        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
         fits = memory.total <= budget
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
         if fits:
@@ -209,7 +230,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
     rejected.sort(key=lambda c: (c.time.total, c.memory.total))
-    return Plan(feasible, rejected, refused, budget)
+    return Plan(feasible, rejected, refused, budget, recipe, precision)
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
@@ -235,9 +256,16 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
 
 def describe_layout(lay: Layout) -> str:
     d, o = lay.dims, lay.options
-    text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} zero {o.zero} m {o.microbatches}"
+    text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} zero {o.zero} {o.schedule} m {o.microbatches}"
     return text + (f" v {o.virtual_stages}" if o.virtual_stages > 1 else "") + \
         (f" recompute {lay.recompute}" if lay.recompute != "none" else "")
+
+
+def recipe_words(recipe: Recipe) -> str:
+    """What the search assumed beyond the layouts, in words (empty for the defaults)."""
+    words = (["the blocks' linear GEMMs in FP8 (at the FP8 peak, quantization not charged)"] if recipe.fp8 else []) + \
+        ([f"each token's experts on at most {recipe.max_nodes} nodes"] if recipe.max_nodes else [])
+    return "; " + "; ".join(words) if words else ""
 
 
 def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int,
@@ -249,14 +277,15 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
              f"({efficiency_source(cluster)}); links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
-             "master and AdamW moments",
+             "master and AdamW moments" + ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
+                                           else "") + recipe_words(plan.recipe),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
-             "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'m':>4} {'v':>2} "
-             f"{'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} {'cp':>6} "
-             f"{'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
+             "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
+             f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
+             f"{'cp':>6} {'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
         d, o, t = c.layout.dims, c.layout.options, c.time
-        lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} "
+        lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} {o.schedule:>11} "
                      f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} {c.memory.total / GIB:>7.1f} "
                      f"{c.memory.stage:>3} "
                      f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
@@ -302,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
                              f"throughput, {MAMF_SOURCE}; {DEFAULT_EFFICIENCY} for a chip without one)")
     parser.add_argument("--json", action="store_true", help=f"print a JSON list of the top K, keys: "
                         f"{', '.join(JSON_KEYS)} (with --explain: one object, the same keys and 'rank')")
+    parser.add_argument("--fp8", default="none", choices=FP8_CHOICES,
+                        help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (timed at the "
+                             "FP8 peak, twice bf16's, at the same efficiency; DeepSeek-V3 trained so); default none")
+    parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
+                        help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
+                             "keep their gathered input) or Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
+                             "gathered again backward); default trainer")
+    parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
+                        help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
+                             "(the network carries min(top_k, M) rows per token); default 0, unlimited")
     parser.add_argument("--explain", metavar="SETTINGS", default=None,
                         help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
                              "rest as the search would choose them): memory per pipeline stage, step time by term, "
@@ -316,14 +355,14 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
     rank, c = rank_of(plan, **settings)
     if c is None:
         layout = Layout.of(**settings)
-        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, BF16_MIXED))
+        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision, plan.recipe))
     if args.json:
         print(json.dumps({**c.row(), "rank": rank}))
     else:
         print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
         print("")
         print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
-                             seq_len, sequences, BF16_MIXED, plan.budget))
+                             seq_len, sequences, plan.precision, plan.budget))
     return 0
 
 
@@ -333,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = get_preset(args.model)
         if args.gpu not in node_chips():
             raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {node_chips()}")
+        if args.max_nodes < 0:
+            raise ValueError(f"--max-nodes must be >= 0 (0: unlimited), got {args.max_nodes}")
         for name in ("gpus", "gpus_per_node", "top"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -342,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = parse_tokens(args.global_batch_tokens)
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
         settings = parse_settings(args.explain) if args.explain is not None else None
-        plan = search(cfg, args.gpus, seq_len, tokens, cluster)
+        plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
+                      Recipe(args.fp8 != "none", args.max_nodes))
         if settings is not None:
             return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
     except (ValueError, TypeError) as e:

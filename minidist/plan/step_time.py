@@ -21,11 +21,18 @@ dimension, the pipeline bubble, and which communication hides behind compute.
          the reduction overlaps the backward it follows (the last micro-batch's, every one's from ZeRO-2),
          ZeRO-3's parameter gathers overlap the compute; the parameter all-gather after the step is exposed
 * Pipeline: the exposed per-micro-batch work stretches by the bubble, busy / (1 − bubble), with
-  `schedules.bubble_formula` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1)).
+  `schedule_costs.pipeline_bubble` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1); ZB-H1, ZB-V and DualPipeV for the
+  stage's T_F : T_B : T_W). The V schedules place two chunks per rank (the embedding and the head on rank 0,
+  `rank_memory.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
+  hide the pipeline sends and the ep all-to-all behind the paired chunk's compute, each pair max(compute,
+  communication) (DeepSeek-AI 2024, §3.2.1).
+* `Recipe`: FP8 GEMMs in the blocks' linears at the FP8 peak (`FP8_SPEEDUP`; the forward's dispatch in FP8);
+  node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, top_k over
+  NVLink, one after the other).
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
-Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, the
+Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, FP8's quantization, the
 network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
 """
 
@@ -38,9 +45,11 @@ from minidist.hardware import MAMF_SOURCE, Link, chip, collective_time, link_of,
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
-from minidist.parallel.pp.schedules import bubble_formula
+from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, rank_params
+from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
+FP8_SPEEDUP = 2.0  # the FP8 dense peak over the bf16 one on Hopper (`hardware.CHIPS`: 1979 vs 989 TFLOP/s)
 DEFAULT_EFFICIENCY = 0.5  # fraction of the dense peak a large training matmul reaches (MFU ~40% once comm is in)
 
 
@@ -113,37 +122,92 @@ def token_flops(cfg: ModelConfig, seq_len: int) -> TokenFlops:
                       6.0 * cfg.d_model * cfg.vocab_size, attention_flops_per_token(cfg, seq_len, causal=True))
 
 
+@dataclass(frozen=True)
+class RankFlops:
+    """FLOPs one rank computes per step: all of them, the attention kernel's, and the blocks' linear layers'
+    (the GEMMs an FP8 recipe runs in FP8: not the embedding, the head, the router or the attention kernel)."""
+
+    total: float
+    attention: float
+    linears: float
+
+
 def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
-                        per_token: TokenFlops | None = None) -> tuple[float, float]:
-    """(FLOPs one rank computes per step, of which attention scores and values): the step's model FLOPs (plus
-    the recomputed forward) over the ranks; MoE layers' FLOPs are repeated on every tp rank."""
+                        per_token: TokenFlops | None = None) -> RankFlops:
+    """The step's model FLOPs (plus the recomputed forward) over the ranks; MoE layers' FLOPs are repeated on every
+    tp rank."""
     f = per_token or token_flops(cfg, seq_len)
     total, moe, attention = f.total, f.moe, f.attention
     if layout.recompute == "full":
         total += (total - f.head) / 3  # one more forward of the blocks: a third of their training FLOPs
         moe *= 4 / 3
         attention *= 4 / 3
-    dims = layout.dims
+    dims, o = layout.dims, layout.options
     # the pipeline runs at the pace of the stage with the most blocks (126 layers over 16 stages: 8, not 7.875)
-    imbalance = sum(busiest_stage_kinds(cfg, dims.pp, layout.options.virtual_stages)) * dims.pp / cfg.n_layers
+    imbalance = sum(busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)) * dims.pp / cfg.n_layers
     blocks = total - f.head
     total, moe, attention = f.head + blocks * imbalance, moe * imbalance, attention * imbalance
     split = (total - moe) / dims.tp + moe
     tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
-    return split * tokens, attention / dims.tp * tokens
+    linears = split - f.head / dims.tp - attention / dims.tp
+    return RankFlops(split * tokens, attention / dims.tp * tokens, linears * tokens)
+
+
+def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: bool) -> float:
+    """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak; under FP8 the blocks'
+    linears at the same efficiency of the FP8 peak (twice bf16's on Hopper). The FP8 recipe's quantization (casts
+    and scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
+    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
+    rate = cluster.peak_flops * cluster.efficiency
+    if not fp8:
+        return flops.total / rate
+    return (flops.total - flops.linears) / rate + flops.linears / (rate * FP8_SPEEDUP)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the run computes and routes, beyond the layout: `fp8` runs the blocks' linear GEMMs in FP8 (the
+    trainer's --fp8 recipes, DeepSeek-V3's §3.3); `max_nodes` > 0 limits each token's experts to that many nodes
+    (DeepSeek-V3's node-limited routing, M = 4; the trainer's router does not limit them: 0)."""
+
+    fp8: bool = False
+    max_nodes: int = 0
+
+
+DEFAULT_RECIPE = Recipe()  # bf16 GEMMs, routing unlimited: the trainer's defaults
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
-                 precision: Precision, per_token: TokenFlops | None = None) -> StepTime:
-    """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster`."""
+                 precision: Precision, per_token: TokenFlops | None = None,
+                 recipe: Recipe = DEFAULT_RECIPE, memo: dict | None = None) -> StepTime:
+    """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster` (`memo`: a search's
+    dict for one model, cluster, precision and recipe: all but the replica groups' terms are the same for every
+    ZeRO stage, computed once)."""
+    o = layout.options
+    key = ("stage", layout.dims, o.schedule, o.microbatches, o.virtual_stages, o.cp_impl, layout.sp_degree,
+           layout.recompute)
+    stage = memo.get(key) if memo is not None else None
+    if stage is None:
+        stage = _stage_time(cfg, layout, seq_len, global_batch, cluster, precision, per_token, recipe)
+        if memo is not None:
+            memo[key] = stage
+    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
+    return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
+                    stage.hidden + dp_hidden)
+
+
+def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
+                precision: Precision, per_token: TokenFlops | None, recipe: Recipe) -> StepTime:
+    """Every term of `predict_step` but the replica groups' (dp 0)."""
     rate = cluster.peak_flops * cluster.efficiency
-    flops, attention_flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
-    compute = flops / rate
-    dims = layout.dims
-    m, v, p = layout.options.microbatches, layout.options.virtual_stages, precision.activation
+    flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
+    compute = compute_seconds(flops, cluster, recipe.fp8)
+    dims, o = layout.dims, layout.options
+    m, p = o.microbatches, precision.activation
+    v = chunks_per_rank(o.schedule, o.virtual_stages)
     b = global_batch // (dims.dp * m)  # sequences per micro-batch
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
-    dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, v)
+    dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
     n_layers = dense_layers + moe_layers
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
     # collectives between them (tp's reductions, cp's ring, ep's all-to-alls), not its matmuls
@@ -161,46 +225,79 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
         kv = tokens * kv_heads * (d_qk + d_v) * p
         one = (dims.cp - 1) * collective_time("send", kv, 2, link_of(cluster, dims.tp * dims.cp))
         cp = m * n_layers * one * (3 + again)
-        cp_exposed = max(0.0, cp - attention_flops / rate)
+        cp_exposed = max(0.0, cp - flops.attention / rate)
         cp_hidden = cp - cp_exposed
     ep = 0.0
     if dims.ep > 1 and moe_layers:
-        rows = tokens * cfg.moe.top_k * cfg.d_model * p
-        ep = m * moe_layers * (4 + 2 * again) * collective_time("all_to_all", rows, dims.ep,
-                                                                 link_of(cluster, dims.tp * dims.ep))
+        # dispatch + combine forward, their gradients backward (+ the forward's again when recomputed); an FP8
+        # recipe dispatches the forward's rows in FP8 (DeepSeek-V3 §3.3.4: one byte a value, half of bf16's)
+        calls = 4 + 2 * again - (0.5 * (1 + again) if recipe.fp8 else 0.0)
+        ep = m * moe_layers * calls * expert_all_to_all(cfg, tokens, layout, cluster, p, recipe.max_nodes)
     pp = 0.0
     if dims.pp > 1:
-        sp = layout.sp_degree
         span = 2 * dims.tp * dims.cp * dims.dp
-        pp = 2 * m * v * collective_time("send", act / sp, 2, link_of(cluster, span))
-    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, compute)
-    bubble = bubble_formula(layout.options.schedule, dims.pp, m, v) if dims.pp > 1 else 0.0
-    return StepTime(compute, bubble, tp, cp_exposed, ep, pp, dp_exposed, dp_hidden + cp_hidden)
+        pp = 2 * m * v * collective_time("send", act / layout.sp_degree, 2, link_of(cluster, span))
+    # DualPipeV: in its overlapped (F, B) pairs one's all-to-all and sends hide behind the other's compute, each
+    # pair taking max(compute, communication) instead of their sum
+    paired = paired_share(o.schedule, dims.pp, m)
+    overlap = min(paired * (ep + pp), paired * compute)
+    costs = split_costs(flops.attention / flops.total, layout.recompute)
+    bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
+    share = overlap / (ep + pp) if overlap else 0.0
+    return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap)
+
+
+def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cluster, p: int,
+                      max_nodes: int = 0) -> float:
+    """Seconds of one all-to-all (dispatch or combine) of `tokens` tokens' top-k rows over the ep group, on the link
+    the group spans. Node-limited routing (`max_nodes` > 0; DeepSeek-V3 §2.1.2 and §3.2.2: each token's experts on
+    at most M nodes, a row crossing the network once per node and forwarded over NVLink to the experts there)
+    sends min(top_k, M, nodes) rows per token across the network and the top_k over NVLink inside the node."""
+    dims, k = layout.dims, cfg.moe.top_k
+    rows = tokens * k * cfg.d_model * p
+    link = link_of(cluster, dims.tp * dims.ep)
+    nodes = -(-dims.tp * dims.ep // cluster.gpus_per_node)
+    if nodes == 1 or not max_nodes:
+        return collective_time("all_to_all", rows, dims.ep, link)
+    inter = collective_time("all_to_all", rows * min(k, max_nodes, nodes) / k, dims.ep, link)
+    intra = collective_time("all_to_all", rows, cluster.gpus_per_node, link_of(cluster, cluster.gpus_per_node))
+    return inter + intra
 
 
 def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
-                        compute: float) -> tuple[float, float]:
-    """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups."""
-    counts = rank_params(cfg, layout, 0)
-    span = layout.dims.tp * layout.dims.cp * layout.dims.dp
-    groups = [(n, layout.replicas[kind]) for kind, n in counts.items()]
-    m, backward, zero = layout.options.microbatches, 2 * compute / 3, layout.options.zero
-    overlappable = exposed = 0.0
-    for n, size in groups:
-        if size == 1 or n == 0:
-            continue
-        link = link_of(cluster, span)
-        grads = n * precision.grad
-        params = n * precision.param
-        if zero == 0:
-            overlappable += collective_time("all_reduce", grads, size, link)
-        else:
-            repeat = m if zero >= 2 else 1
-            overlappable += repeat * collective_time("reduce_scatter", grads, size, link)
-            if zero == 3:
-                overlappable += 2 * m * collective_time("all_gather", params, size, link)
-            else:
-                exposed += collective_time("all_gather", params, size, link)  # the updated parameters
+                        compute: float, memo: dict | None = None) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups (`memo`: a
+    search's dict for one model, precision and cluster: each collective computed once per grid shape)."""
+    o = layout.options
+    key = ("dp", layout.dims, o.schedule, o.virtual_stages)
+    found = memo.get(key) if memo is not None else None
+    if found is None:
+        found = _replica_collectives(cfg, layout, cluster, precision)
+        if memo is not None:
+            memo[key] = found
+    all_reduce, reduce_scatter, all_gather = found
+    m, backward, zero = o.microbatches, 2 * compute / 3, o.zero
+    exposed = 0.0 if zero == 0 else all_gather  # ZeRO 1-2: the updated parameters gathered after the step
+    overlappable = all_reduce if zero == 0 else reduce_scatter * (m if zero >= 2 else 1)
+    if zero == 3:
+        exposed, overlappable = 0.0, overlappable + 2 * m * all_gather  # gathered for every forward and backward
     window = compute if zero == 3 else backward if zero == 2 else backward / m
     hidden = min(overlappable, window)
     return exposed + overlappable - hidden, hidden
+
+
+def _replica_collectives(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision
+                         ) -> tuple[float, float, float]:
+    """Seconds of one gradient all-reduce, one gradient reduce-scatter and one parameter all-gather over the
+    replica groups (dense over dp·cp, experts over edp), summed over the groups."""
+    span = layout.dims.tp * layout.dims.cp * layout.dims.dp
+    link = link_of(cluster, span)
+    out = [0.0, 0.0, 0.0]
+    for kind, n in rank_params(cfg, layout, 0).items():
+        size = layout.replicas[kind]
+        if size == 1 or n == 0:
+            continue
+        out[0] += collective_time("all_reduce", n * precision.grad, size, link)
+        out[1] += collective_time("reduce_scatter", n * precision.grad, size, link)
+        out[2] += collective_time("all_gather", n * precision.param, size, link)
+    return out[0], out[1], out[2]

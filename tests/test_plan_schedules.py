@@ -1,0 +1,176 @@
+"""The planner and chapter 15's schedules (minidist.plan.schedule_costs, rank_memory's V placement, step_time's
+DualPipeV overlap), and the kernels and recipes the published runs used (Megatron's saved activations, FP8,
+node-limited routing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from minidist.hardware import Link
+from minidist.model import get_preset
+from minidist.parallel import Layout
+from minidist.parallel.pp.pipeline import chunk_layers
+from minidist.parallel.pp.schedules import F, W, chunk_owners
+from minidist.parallel.pp.zero_bubble import build_any_schedule
+from minidist.plan import schedule_costs
+from minidist.plan.rank_memory import (
+    BF16_MEGATRON,
+    BF16_MIXED,
+    FP32,
+    activation_bytes,
+    chunks_in_flight,
+    estimate_memory,
+    head_activation_bytes,
+    layer_activation_bytes,
+    rank_params,
+    stage_kinds,
+)
+from minidist.plan.search import search
+from minidist.plan.step_time import Cluster, Recipe, predict_step
+
+
+def _cluster(gpus_per_node: int = 8) -> Cluster:
+    fast, slow = Link("fast", 4e11, 1e-6), Link("slow", 5e10, 5e-6)
+    return Cluster("toy", 1e15, 80 * 2**30, gpus_per_node, fast, slow, 0.8)
+
+
+def test_v_placement_puts_the_embedding_and_the_head_on_stage_0():
+    """zbv / dualpipev: rank r holds chunks r and 2p−1−r (the schedule's own data says so), so rank 0 holds the
+    embedding, the final norm, the head and the loss's activations; the last rank holds none of them."""
+    cfg = get_preset("tiny")
+    pp, m = 2, 4
+    owners = chunk_owners(build_any_schedule("zbv", pp, m))
+    chunks = chunk_layers(cfg.n_layers, pp, 2)
+    for stage in range(pp):  # each rank's blocks are those of the chunks the built schedule runs there
+        layers = [i for c, r in owners.items() if r == stage for i in chunks[c]]
+        assert sum(stage_kinds(cfg, pp, 1, stage, "zbv")) == len(layers)
+    vocab = cfg.vocab_size * cfg.d_model
+    for schedule, head in (("1f1b", pp - 1), ("zbv", 0), ("dualpipev", 0)):
+        lay = Layout.of(pp=pp, microbatches=m, schedule=schedule)
+        params = [rank_params(cfg, lay, s)["dense"] for s in range(pp)]
+        acts = [activation_bytes(cfg, lay, 64, 1, FP32, s)[0] for s in range(pp)]
+        loss = head_activation_bytes(cfg, 64, lay, 4)
+        if head == 0:  # the embedding and the head on the same rank; nothing of either on the last
+            assert params[0] - params[1] >= 2 * vocab - cfg.d_model * 4 and acts[0] > loss > 0
+        else:
+            assert params[1] - params[0] < vocab  # the head on the last rank only
+        assert stage_kinds(cfg, pp, 1, 0, schedule) == stage_kinds(cfg, pp, 1, 0, "1f1b") or head == 0
+
+
+def test_v_rank_memory_follows_the_built_schedules_in_flight_counts():
+    """Activations per stage = (chunk passes alive at the worst moment, counted on the built schedule) x one chunk's
+    bytes; the counts stop growing past 2p micro-batches, so one build serves every m."""
+    cfg = get_preset("tiny")
+    pp, m = 2, 8
+    for schedule in ("zb1", "zbv", "dualpipev"):
+        release = W
+        built = []
+        for actions in build_any_schedule(schedule, pp, m):
+            live = peak = 0
+            for a in actions:
+                if a.kind in (F, release):
+                    live += 1 if a.kind == F else -1
+                    peak = max(peak, live)
+            built.append(peak)
+        assert [chunks_in_flight(schedule, pp, m, 1, s) for s in range(pp)] == built
+        assert [chunks_in_flight(schedule, pp, 10**6, 1, s) for s in range(pp)] == built
+        lay = Layout.of(pp=pp, microbatches=m, schedule=schedule)
+        chunks = 2 if schedule != "zb1" else 1
+        block = layer_activation_bytes(cfg, 0, 64, lay, 4)
+        last = pp - 1
+        blocks = sum(stage_kinds(cfg, pp, 1, last, schedule))
+        head = head_activation_bytes(cfg, 64, lay, 4) if schedule == "zb1" else 0.0  # V: the head on rank 0
+        want = built[last] * blocks * block / chunks + head
+        assert activation_bytes(cfg, lay, 64, 1, FP32, last)[0] == pytest.approx(want)
+
+
+def test_zero_bubble_bubbles_and_the_search_includes_them():
+    """For one layout, zb1's predicted bubble is below 1F1B's and its step shorter; the V schedules' below zb1's;
+    the search lists all three next to chapter 09's."""
+    cfg = get_preset("tiny")
+    seq, batch = 256, 64
+    times = {}
+    for schedule in ("1f1b", "zb1", "zbv", "dualpipev"):
+        lay = Layout.of(dp=2, pp=4, microbatches=16, schedule=schedule)
+        times[schedule] = predict_step(cfg, lay, seq, batch, _cluster(), FP32)
+    assert times["zb1"].bubble < times["1f1b"].bubble and times["zb1"].total < times["1f1b"].total
+    assert times["zbv"].bubble < times["zb1"].bubble and times["dualpipev"].bubble < times["zb1"].bubble
+    plan = search(cfg, 8, seq, seq * batch, _cluster(), FP32)
+    assert {"1f1b", "interleaved", "zb1", "zbv", "dualpipev"} <= {c.layout.options.schedule for c in plan.feasible}
+
+
+def test_dualpipev_costs_come_from_its_schedule():
+    """DualPipeV's excess over the work and its unpaired forwards do not grow with m (so the planner builds 2p);
+    past `SIMULATED_UP_TO` ranks the excess is extended linearly, checked against a simulation at 24 ranks; its
+    paired share is counted on the built schedule."""
+    costs = schedule_costs.split_costs(0.2, "full")
+    t = tuple(round(c / sum(costs), 2) for c in costs)
+    for p in (2, 3, 5):
+        excess = {schedule_costs._dualpipev_excess(p, m, *t) for m in (2 * p, 3 * p + 1)}
+        assert max(excess) - min(excess) < 1e-9
+        assert schedule_costs._unpaired_forwards(p, 2 * p) == schedule_costs._unpaired_forwards(p, 3 * p + 1)
+    assert schedule_costs.dualpipev_excess(24, *t) == pytest.approx(schedule_costs._dualpipev_excess(24, 48, *t))
+    assert schedule_costs.paired_share("zbv", 4, 16) == 0 < schedule_costs.paired_share("dualpipev", 4, 16)
+    assert schedule_costs.paired_share("dualpipev", 4, 16) < schedule_costs.paired_share("dualpipev", 4, 64) < 1
+
+
+def test_dualpipev_hides_the_expert_all_to_all_up_to_the_compute():
+    """The same layout under ZB-V and DualPipeV: DualPipeV's overlapped pairs hide the EP all-to-all behind the
+    other chunk's compute, at most the paired share of each (max(compute, comm) per pair, not their sum)."""
+    cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=2))
+    lay = Layout.of(dp=8, ep=8, pp=2, microbatches=16, schedule="zbv")
+    slow = _cluster(gpus_per_node=2)  # the ep group crosses nodes
+    zbv = predict_step(cfg, lay, 256, 256, slow, BF16_MIXED)
+    dual = predict_step(cfg, dataclasses.replace(lay, options=dataclasses.replace(lay.options, schedule="dualpipev")),
+                        256, 256, slow, BF16_MIXED)
+    share = schedule_costs.paired_share("dualpipev", 2, 16)
+    hidden = min(share * (zbv.ep + zbv.pp), share * zbv.compute)
+    assert zbv.ep > 0 and dual.ep + dual.pp == pytest.approx(zbv.ep + zbv.pp - hidden)
+    assert dual.hidden == pytest.approx(zbv.hidden + hidden)
+
+
+def test_megatron_kernels_split_every_saved_activation_over_tp():
+    """Korthikanti et al. 2022, §4.2.2: with sequence parallelism and Megatron's kernels (inputs kept sharded,
+    gathered again backward) a block's saved activations are those of tp = 1 divided by t; this trainer's SP
+    linears keep the gathered input, so its count is not."""
+    cfg = get_preset("tiny", n_kv_heads=4)  # as many key/value heads as tp ranks: none replicated
+    n, p = 512, 2
+    one = Layout.of()
+    for tp in (2, 4):
+        sp = Layout.of(tp=tp, sequence_parallel=True)
+        megatron = layer_activation_bytes(cfg, 0, n, sp, p, fused=True, sp_regather=True)
+        assert megatron * tp == pytest.approx(layer_activation_bytes(cfg, 0, n, one, p, fused=True, sp_regather=True))
+        assert layer_activation_bytes(cfg, 0, n, sp, p) * tp > layer_activation_bytes(cfg, 0, n, one, p)
+    # and the planner's memory for one layout: Megatron's kernels keep less
+    lay = Layout.of(tp=4, sequence_parallel=True, pp=2, microbatches=4)
+    assert estimate_memory(cfg, lay, 512, 1, BF16_MEGATRON).activations < \
+        estimate_memory(cfg, lay, 512, 1, BF16_MIXED).activations
+
+
+def test_fp8_and_node_limited_routing():
+    """FP8 runs the blocks' linears at twice the rate (the rest at bf16's): compute between half and the whole;
+    node-limited routing sends min(top_k, M) rows per token across the network instead of top_k."""
+    cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=2))
+    lay = Layout.of(dp=8, ep=8)
+    slow = _cluster(gpus_per_node=2)
+    plain = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED)
+    fp8 = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(fp8=True))
+    assert plain.compute / 2 < fp8.compute < plain.compute and fp8.ep < plain.ep  # FP8 dispatch: half the bytes
+    limited = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(max_nodes=1))
+    assert cfg.moe.top_k > 1 and limited.ep < plain.ep
+
+
+def test_recipe_flags_on_the_command_line(capsys):
+    """--kernels, --fp8 and --max-nodes reach the search (the report says what it assumed); a bad value is one
+    line."""
+    from minidist.plan.search import main
+
+    args = ["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "64K", "--top", "1"]
+    assert main([*args, "--kernels", "megatron", "--fp8", "blockwise", "--max-nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM's kernels" in out and "FP8" in out and "at most 2 nodes" in out and "schedule" in out
+    assert main([*args, "--max-nodes", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-nodes must be >= 0" in err
