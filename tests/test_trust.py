@@ -217,7 +217,7 @@ def test_overwrite_removes_only_the_trainers_files(run, tmp_path):
 
     summary = train.train(small_config(run, steps=2, ckpt_every=0, overwrite=True))
     assert summary["steps"] == [0, 1] and [r["step"] for r in records(run)] == [0, 1]
-    assert sorted(p.name for p in run.iterdir()) == ["data", "metrics.jsonl", "notes.txt", "run.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["data", "metrics.jsonl", "notes.txt", "run.json", "tokenizer.json"]
     assert (run / "notes.txt").read_text() == "keep me" and (run / "data" / "corpus.txt").read_text() == "mine"
     assert checkpoint.complete_steps(elsewhere) == [2, 4]  # the symlink went, not what it pointed to
 

@@ -37,7 +37,7 @@ from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
 # what the trainer writes, and all that --overwrite removes (tensorboard/ and profile/: --tensorboard, --profile-steps)
-RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", "tensorboard", "profile")
+RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", "tensorboard", "profile", "tokenizer.json")
 HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
 LOCK = ".lock"
