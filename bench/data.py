@@ -11,7 +11,7 @@ dataset's size.
   encode_batch: 1.0 is as fast as the tokenizer alone).
 - `loader`: the trainer's default run (model tiny, batch 16 x 128, fp32 on this machine) on the prepared dataset:
   `step_s` (the mean step time the trainer logs after the first step), `loader_s` (one rank's rows of one step read
-  from the memory-mapped shards and moved to the device, the mean over --steps * 10 steps), `fraction` (loader_s /
+  from the shards (positional reads) and moved to the device, the mean over --steps * 10 steps), `fraction` (loader_s /
   step_s; the goal is under 1%).
 - `memory`: in a fresh process per dataset, `open_dataset` (verify=True, as the trainer opens it: every SHA-256) and
   200 steps of the default batch drawn: `rss_mb` (VmRSS after), `rss_file_mb` (its file-backed part: the shard pages

@@ -176,7 +176,7 @@ def verify_hashes(root: Path, m: dict) -> None:
 
 
 def open_dataset(root: str | os.PathLike, verify: bool = True) -> Dataset:
-    """The dataset at `root` checked as the module docstring says; its splits as memory-mapped token streams."""
+    """The dataset at `root` checked as the module docstring says; its splits as `shards.TokenShards` streams."""
     root = Path(os.path.expanduser(str(root)))
     manifest, digest = read_manifest(root)
     _check_sizes(root, manifest)

@@ -1,5 +1,5 @@
 """The deterministic, resumable batch sampler, over a token tensor (a text source read into memory) or a token
-source on disk (`minidist.data.shards.TokenShards`: memory-mapped shards of a prepared dataset).
+source on disk (`minidist.data.shards.TokenShards`: the shards of a prepared dataset, read row by row).
 
 A token source is anything with `numel()` and `windows(offsets, length)` (int64 rows [offsets[i], offsets[i] +
 length) of its stream): the sampler draws the same offsets from (seed, step) either way, so a dataset gives the

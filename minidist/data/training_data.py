@@ -1,6 +1,6 @@
 """What the trainer trains on, whichever way `--data` names it: a text source (`minidist.data.corpus`: read into
-memory as bytes, the byte tokenizer) or a prepared dataset directory (`minidist.data.dataset`: memory-mapped
-shards, the dataset's tokenizer), told apart by the directory's manifest.json.
+memory as bytes, the byte tokenizer) or a prepared dataset directory (`minidist.data.dataset`: shards read row
+by row, the dataset's tokenizer), told apart by the directory's manifest.json.
 
 Either way the run gets two token sources for `BatchSampler` (a tensor or `TokenShards`), the tokenizer's JSON (a
 byte run carries one too), its vocabulary and end-of-document id, the unigram entropy of the training split (the
