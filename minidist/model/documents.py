@@ -18,6 +18,7 @@ Two kernels: SDPA with a dense bool mask [B, 1, T, T] off CUDA (the CPU referenc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,19 +91,18 @@ class Documents:
         return cls(ids, create_block_mask(document_mask_mod(ids), b, None, t, t, device=ids.device, _compile=True))
 
 
-_compiled_flex = None
-
-
 def _flex(device_type: str) -> Callable[..., torch.Tensor]:
     """flex attention, compiled once on CUDA (eager flex is a slow reference, which is what a CPU test runs)."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return _compiled_flex() if device_type == "cuda" else flex_attention
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
