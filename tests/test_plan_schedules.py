@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from minidist.hardware import Link
+from minidist.hardware import Link, collective_time, link_of
 from minidist.model import get_preset
 from minidist.parallel import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
@@ -28,7 +28,7 @@ from minidist.plan.rank_memory import (
     stage_kinds,
 )
 from minidist.plan.search import search
-from minidist.plan.step_time import Cluster, Recipe, predict_step
+from minidist.plan.step_time import Cluster, Recipe, expert_all_to_all, predict_step
 
 
 def _cluster(gpus_per_node: int = 8) -> Cluster:
@@ -160,6 +160,19 @@ def test_fp8_and_node_limited_routing():
     assert plain.compute / 2 < fp8.compute < plain.compute and fp8.ep < plain.ep  # FP8 dispatch: half the bytes
     limited = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(max_nodes=1))
     assert cfg.moe.top_k > 1 and limited.ep < plain.ep
+
+
+def test_node_limited_routing_overlaps_its_two_hops():
+    """DeepSeek-V3 §3.2.2: a row crosses the network once per node while the rows before it are forwarded over
+    NVLink to their experts, so the all-to-all takes its slower hop (here the network's), not the two one after
+    the other."""
+    cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=4))
+    lay, cluster, tokens, width = Layout.of(dp=8, ep=8), _cluster(gpus_per_node=2), 1024, 2
+    rows = tokens * cfg.moe.top_k * cfg.d_model * width
+    network = collective_time("all_to_all", rows * 2 / cfg.moe.top_k, 8, link_of(cluster, 8))  # 2 of 4 nodes
+    nvlink = collective_time("all_to_all", rows, 2, link_of(cluster, 2))
+    assert nvlink < network
+    assert expert_all_to_all(cfg, tokens, lay, cluster, width, max_nodes=2) == pytest.approx(network)
 
 
 def test_recipe_flags_on_the_command_line(capsys):

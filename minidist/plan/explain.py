@@ -22,8 +22,8 @@ LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM;
             "peak, its quantization not charged)",
             "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
             "hide in its overlapped pairs)",
-            "node-limited routing's NVLink hop overlapped with the network's (charged one after the other), the "
-            "routing's imbalance",
+            "the routing's imbalance (node-limited routing's two hops are modelled, overlapped as DeepSeek-V3 runs "
+            "them)",
             "Llama 3's exact uneven stages (its first and last stage one layer fewer; here the last chunks are the "
             "short ones: the same busiest stage; the trainer interleaves equal chunks only)")
 

@@ -252,7 +252,9 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
     """Seconds of one all-to-all (dispatch or combine) of `tokens` tokens' top-k rows over the ep group, on the link
     the group spans. Node-limited routing (`max_nodes` > 0; DeepSeek-V3 §2.1.2 and §3.2.2: each token's experts on
     at most M nodes, a row crossing the network once per node and forwarded over NVLink to the experts there)
-    sends min(top_k, M, nodes) rows per token across the network and the top_k over NVLink inside the node."""
+    sends min(top_k, M, nodes) rows per token across the network and the top_k over NVLink inside the node; the two
+    hops run at once (§3.2.2: chunks forwarded over NVLink while the next cross the network, "IB and NVLink fully
+    overlapped"), so the all-to-all takes the longer of the two, not their sum."""
     dims, k = layout.dims, cfg.moe.top_k
     rows = tokens * k * cfg.d_model * p
     link = link_of(cluster, dims.tp * dims.ep)
@@ -261,7 +263,7 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
         return collective_time("all_to_all", rows, dims.ep, link)
     inter = collective_time("all_to_all", rows * min(k, max_nodes, nodes) / k, dims.ep, link)
     intra = collective_time("all_to_all", rows, cluster.gpus_per_node, link_of(cluster, cluster.gpus_per_node))
-    return inter + intra
+    return max(inter, intra)
 
 
 def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
