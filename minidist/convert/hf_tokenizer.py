@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from minidist.convert.hf_model import ConvertError
-from minidist.data.tokenizer import EOD_NAMES, MAX_TOKENIZER_BYTES
+from minidist.data.tokenizer import EOD_NAMES, MAX_TOKENIZER_BYTES, parse_tokenizer
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -44,16 +44,6 @@ def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
         raise ConvertError(f"{path} has {ids:,} token ids but the model's embedding has {vocab_size:,} rows: it is "
                            "not this run's tokenizer")
     return text
-
-
-def parse_tokenizer(text: str) -> Any:
-    """The `tokenizers.Tokenizer` of a tokenizer.json's text; ValueError (one line) when it is not one."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_str(text)
-    except Exception as e:  # the Rust parser's own error type
-        raise ValueError((str(e).splitlines() or [type(e).__name__])[0]) from None
 
 
 def end_of_text(text: str) -> tuple[str, int] | None:

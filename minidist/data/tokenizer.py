@@ -21,6 +21,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -119,8 +120,6 @@ def parse_bpe_spec(spec: str) -> int | None:
 def load_tokenizer_json(path: str | Path, eod_token: str | None = None, spec: str | None = None) -> TextTokenizer:
     """A tokenizer.json (or a directory holding one), read as untrusted input: one-line ValueError when it is not
     a regular file, too big, not a `tokenizers` JSON, or has no end-of-document token."""
-    from tokenizers import Tokenizer
-
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -132,10 +131,20 @@ def load_tokenizer_json(path: str | Path, eod_token: str | None = None, spec: st
                          f"{MAX_TOKENIZER_BYTES:,} a tokenizer.json can be")
     text = path.read_bytes()[:MAX_TOKENIZER_BYTES].decode("utf-8", errors="replace")
     try:
-        tok = Tokenizer.from_str(text)
-    except Exception as e:  # the Rust side raises a bare Exception for a malformed file
-        raise ValueError(f"tokenizer {str(path)!r} is not a tokenizers JSON: {str(e).splitlines()[0][:200]}") from None
+        tok = parse_tokenizer(text)
+    except ValueError as e:
+        raise ValueError(f"tokenizer {str(path)!r} is not a tokenizers JSON: {str(e)[:200]}") from None
     return from_tokenizer(tok, text, spec or str(path), eod_token)
+
+
+def parse_tokenizer(text: str) -> Any:
+    """The `tokenizers.Tokenizer` of a tokenizer.json's text; ValueError (one line) when it is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # the Rust parser raises a bare Exception for a malformed file
+        raise ValueError((str(e).splitlines() or [type(e).__name__])[0]) from None
 
 
 def from_tokenizer(tok, text: str, spec: str, eod_token: str | None = None) -> TextTokenizer:  # noqa: ANN001
