@@ -32,7 +32,6 @@ file is mapped and only the bytes kept are copied.
 from __future__ import annotations
 
 import functools
-import glob
 import math
 import mmap
 import os
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minidist.data.documents import _BINARY_SNIFF_BYTES, _val_file_indices, stdlib_files, stdlib_root
+from minidist.data.documents import _is_text, _val_file_indices, glob_files, stdlib_files, stdlib_root, walk_files
 from minidist.data.sampler import BatchSampler
 
 __all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_SIZE", "load_corpus", "stdlib_files",
@@ -157,10 +156,6 @@ def _load_stdlib(root: str, val_fraction: float, max_bytes: int | None) -> _Spli
     return _split_files(kept, blobs, val_fraction)
 
 
-def _is_binary(data: bytes) -> bool:
-    return b"\0" in data[:_BINARY_SNIFF_BYTES]
-
-
 class _File:
     """A file of a directory or glob source, not read yet: its size is all the split needs."""
 
@@ -207,24 +202,16 @@ def _join(blobs: Sequence[bytes | _File]) -> bytes | _Joined:
 
 def _list_directory(root: Path) -> tuple[list[str], list[_File]]:
     names, files = [], []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for fname in filenames:
-            path = Path(dirpath) / fname
-            if fname.startswith(".") or not path.is_file():
-                continue
-            try:
-                path.relative_to(root).as_posix().encode("utf-8")  # names are hashed as UTF-8 (the split)
-            except UnicodeEncodeError:
-                raise ValueError(f"data file {str(path).encode('utf-8', 'surrogateescape')!r} has a name that is not "
-                                 "UTF-8; rename it or move it out of the directory") from None
-            with open(path, "rb") as f:
-                head = f.read(_BINARY_SNIFF_BYTES)
-            if not _is_binary(head):
-                names.append(path.relative_to(root).as_posix())
-                files.append(_File(path))
-    order = sorted(range(len(names)), key=names.__getitem__)
-    return [names[i] for i in order], [files[i] for i in order]
+    for name, path in walk_files(root):
+        try:
+            name.encode("utf-8")  # names are hashed as UTF-8 (the split)
+        except UnicodeEncodeError:
+            raise ValueError(f"data file {str(path).encode('utf-8', 'surrogateescape')!r} has a name that is not "
+                             "UTF-8; rename it or move it out of the directory") from None
+        if _is_text(path):
+            names.append(name)
+            files.append(_File(path))
+    return names, files
 
 
 class _NpyTokens:
@@ -290,7 +277,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
     path = Path(os.path.expanduser(source))
     if not path.exists():
         if any(c in source for c in "*?["):
-            matches = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+            matches = glob_files(source)
             if not matches:
                 raise ValueError(
                     f"data source {source!r} matches no files; pass a text file, a directory of text files, "

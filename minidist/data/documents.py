@@ -97,6 +97,24 @@ def _regular_size(path: Path, source: str) -> int:
     return st.st_size
 
 
+def walk_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative POSIX name, path) of the regular files below `root`, sorted by name; hidden files and directories
+    skipped (a directory source's files, binary ones still in: `_is_text`)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not name.startswith(".") and path.is_file():
+                found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The regular files a glob source matches (``**`` recursive, ``~`` expanded), sorted."""
+    return sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
+
+
 def _is_text(path: Path) -> bool:
     with open(path, "rb") as f:
         return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
@@ -109,23 +127,17 @@ def list_files(source: str) -> tuple[list[tuple[str, Path]], str]:
         return [(n, root / n) for n in stdlib_files(root)], f"python stdlib at {root}"
     path = Path(os.path.expanduser(source))
     if not path.exists() and any(c in source for c in "*?["):
-        found = sorted(p for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        found = glob_files(source)
         if not found:
             raise ValueError(f"data source {source!r} matches no files")
         return [(p, Path(p)) for p in found], f"files matching {source!r}"
     if not path.exists():
         raise ValueError(f"data source {source!r} does not exist; pass a text file, a directory, a glob or 'stdlib'")
     if path.is_dir():
-        files = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in filenames:
-                p = Path(dirpath) / name
-                if not name.startswith(".") and p.is_file() and _is_text(p):
-                    files.append((p.relative_to(path).as_posix(), p))
+        files = [(name, p) for name, p in walk_files(path) if _is_text(p)]
         if not files:
             raise ValueError(f"data source {source!r} is a directory with no text files (hidden and binary skipped)")
-        return sorted(files), f"text files under {path}"
+        return files, f"text files under {path}"
     _regular_size(path, source)
     if path.suffix in (".bin", ".npy"):
         raise ValueError(f"data source {source!r} holds tokens already; prepare takes text (train on it with --data)")
