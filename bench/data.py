@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from minidist.data import dataset, prepare, tokenizer
-from minidist.data.documents import list_pieces
+from minidist.data.documents import list_pieces, read_range
 from minidist.data.sampler import BatchSampler
 from minidist.train import loop as train
 from minidist.train.config import TrainConfig
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_prepare(work: Path, mb: float, vocab: int, workers: int) -> dict:
     listing = list_pieces("stdlib", 0.05, int(mb * 1e6))
-    texts = [Path(p.path).read_bytes()[p.start:p.end].decode("utf-8", "replace") for p in listing.train + listing.val]
+    texts = [read_range(p.path, p.start, p.end).decode("utf-8", "replace") for p in listing.train + listing.val]
     tok = tokenizer.train_bpe(texts[: len(listing.train)], vocab)
     (work / "tok").mkdir()
     (work / "tok" / "tokenizer.json").write_text(tok.json)

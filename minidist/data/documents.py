@@ -144,6 +144,13 @@ def list_files(source: str) -> tuple[list[tuple[str, Path]], str]:
     return [(path.name, path)], f"text file {path}"
 
 
+def read_range(path: str | Path, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file (a piece's), read alone."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
 def _pieces(path: Path, start: int, end: int) -> list[Piece]:
     """[start, end) of `path` cut after a newline followed by a non-space byte, about every PIECE_BYTES."""
     cuts = [start]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.data import tokenizer as tokenizers
-from minidist.data.documents import Listing, Piece, list_pieces
+from minidist.data.documents import Listing, Piece, list_pieces, read_range
 
 FORMAT, VERSION = "minidist-tokens", 1
 DEFAULT_SHARD_TOKENS = 2**27  # 256 MB of uint16 per shard
@@ -110,9 +110,7 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 def _texts(pieces: Iterable[Piece]) -> Iterator[str]:
     for p in pieces:
-        with open(p.path, "rb") as f:
-            f.seek(p.start)
-            yield f.read(p.end - p.start).decode("utf-8", errors="replace")
+        yield read_range(p.path, p.start, p.end).decode("utf-8", errors="replace")
 
 
 def _encoded(pieces: list[Piece], tok: tokenizers.TextTokenizer, workers: int) -> Iterator[np.ndarray]:

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from minidist.data.documents import read_range
+
 BYTE_EOD_ID = 0x1C  # corpus.FILE_SEPARATOR[0]
 EOD_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, in the order they are looked for in a loaded tokenizer.json.
@@ -183,8 +185,4 @@ def worker_init(tok: TextTokenizer) -> None:
 
 def worker_encode(piece: tuple[str, int, int]) -> np.ndarray:
     """The ids of bytes [start, end) of a file, with the tokenizer `worker_init` gave this process."""
-    path, start, end = piece
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(end - start)
-    return _WORKER_TOKENIZER.encode(data)
+    return _WORKER_TOKENIZER.encode(read_range(*piece))
