@@ -39,7 +39,7 @@ from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import V_SCHEDULES, B, F, W, rank_chunks
+from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
@@ -198,7 +198,7 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
-    if schedule in ("zb1", "zbv", "dualpipev"):  # the peaks stop growing: one build serves every larger m
+    if schedule in ZB_SCHEDULES:  # the peaks stop growing: one build serves every larger m
         microbatches = min(microbatches, IN_FLIGHT_PLATEAU * pp)
     return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
 
