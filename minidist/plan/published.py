@@ -33,7 +33,7 @@ from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
 from minidist.plan.rank_memory import BF16_MEGATRON, BF16_MIXED, Precision
-from minidist.plan.search import Candidate, Plan, rank_of, search
+from minidist.plan.search import Candidate, Plan, describe_layout, rank_of, search
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
 
 
@@ -112,8 +112,6 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
 
 def table(held: list[Held]) -> str:
     """The Markdown table of docs/PUBLISHED_RUNS.md and chapter 12."""
-    from minidist.plan.search import describe_layout
-
     lines = ["| published run | layout the planner evaluates | predicted s | published s | ratio | rank | rank among "
              "what the run had |", "|---|---|---:|---:|---:|---:|---:|"]
     for h in held:
