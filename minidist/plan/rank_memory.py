@@ -41,6 +41,7 @@ from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
+from minidist.plan.schedule_costs import PLATEAU
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
 
@@ -199,20 +200,15 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
     if schedule in ZB_SCHEDULES:  # the peaks stop growing: one build serves every larger m
-        microbatches = min(microbatches, IN_FLIGHT_PLATEAU * pp)
+        microbatches = min(microbatches, PLATEAU * pp)
     return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
-
-
-# Past this many micro-batches per stage a zero-bubble schedule only lengthens its steady state, which holds the
-# same activations: its peaks in flight are counted on the schedule built with this many (tests check the plateau).
-IN_FLIGHT_PLATEAU = 2
 
 
 @functools.lru_cache(maxsize=1024)
 def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
     forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
-    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `IN_FLIGHT_PLATEAU`·p
+    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `schedule_costs.PLATEAU`·p
     micro-batches of a zero-bubble schedule (its peaks no longer grow), so a search over millions costs one build."""
     peaks = []
     for actions in build_any_schedule(schedule, pp, microbatches, virtual_stages):
