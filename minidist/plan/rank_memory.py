@@ -32,7 +32,9 @@ every expert gets its share; a real router does not), the temporary tensors of a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
@@ -42,6 +44,8 @@ from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 from minidist.plan.schedule_costs import PLATEAU
+
+T = TypeVar("T")
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
 
@@ -312,23 +316,28 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int,
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
+def memoized(memo: dict | None, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, kept in `memo` under `key` (a search's dict: the pieces many layouts share computed once);
+    None: computed every call."""
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
 def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Precision, memo: dict | None
                  ) -> tuple[float, float, float, float]:
     """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
     every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
     key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl, precision)
-    if memo is not None and key in memo:
-        return memo[key]
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
     kernels = (precision.fused, precision.sp_regather)
-    out = (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
-           layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
-           selective_layer_bytes(cfg, 0, tokens, layout, p, r),
-           selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
-    if memo is not None:
-        memo[key] = out
-    return out
+    return memoized(memo, key, lambda: (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
+                                        layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
+                                        selective_layer_bytes(cfg, 0, tokens, layout, p, r),
+                                        selective_layer_bytes(cfg, moe_index, tokens, layout, p, r)))
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
@@ -372,33 +381,19 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
     dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
     class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
     model, one precision), to compute the pieces shared by many layouts once."""
+    d, o = layout.dims, layout.options
     if stage is None:
-        o = layout.options
-        key = ("classes", layout.dims.pp, o.schedule, o.microbatches, o.virtual_stages)
-        stages = memo.get(key) if memo is not None else None
-        if stages is None:
-            stages = stage_classes(cfg, layout)
-            if memo is not None:
-                memo[key] = stages
+        key = ("classes", d.pp, o.schedule, o.microbatches, o.virtual_stages)
+        stages = memoized(memo, key, lambda: stage_classes(cfg, layout))
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
                    key=lambda e: e.total)
-    o = layout.options
-    key = ("states", layout.dims, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
-    states = memo.get(key) if memo is not None else None
-    if states is None:
-        states = model_state_bytes(cfg, layout, precision, stage)
-        if memo is not None:
-            memo[key] = states
-    d, o = layout.dims, layout.options
+    key = ("states", d, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
+    states = memoized(memo, key, lambda: model_state_bytes(cfg, layout, precision, stage))
     # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
     key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
            layout.recompute, micro_batch, seq_len, stage, precision)
-    acts_transient = memo.get(key) if memo is not None else None
-    if acts_transient is None:
-        acts_transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
-        if memo is not None:
-            memo[key] = acts_transient
-    acts, transient = acts_transient
+    acts, transient = memoized(memo, key, lambda: activation_bytes(cfg, layout, seq_len, micro_batch, precision,
+                                                                   stage, memo))
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 
