@@ -41,7 +41,7 @@ from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, rank_chunks
+from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 from minidist.plan.schedule_costs import PLATEAU
 
@@ -103,8 +103,10 @@ def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
 
 
 def head_stage(schedule: str, pp: int) -> int:
-    """The pipeline rank that holds the last chunk (the final norm, the head and the loss)."""
-    return 0 if schedule in V_SCHEDULES else pp - 1
+    """The pipeline rank that holds the last chunk (the final norm, the head and the loss): p − 1 in a loop, 0 in a
+    V (`schedules.chunk_rank`)."""
+    chunks, v_shape = placement(schedule, 1)  # in a loop the last chunk is on rank p − 1 whatever v
+    return chunk_rank(chunks * pp - 1, pp, v_shape)
 
 
 @functools.lru_cache(maxsize=65536)
