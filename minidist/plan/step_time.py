@@ -66,6 +66,11 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
 
+    @property
+    def budget(self) -> float:
+        """Bytes a layout may use per chip."""
+        return self.memory_bytes * self.usable_memory
+
 
 def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None = DEFAULT_EFFICIENCY) -> Cluster:
     """A cluster of chip `name` (one of `hardware.node_chips()`), its usual links, one network port per GPU;
