@@ -30,13 +30,14 @@ LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM;
 
 def parse_settings(text: str) -> dict[str, Any]:
     """'dp=128 tp=8 recompute=full' -> {"dp": 128, "tp": 8, "recompute": "full"} (commas or spaces between)."""
+    defaults = Layout().flat()  # each setting read as its default's type (a default of None: a whole number)
     out: dict[str, Any] = {}
     for item in text.replace(",", " ").split():
         key, eq, value = item.partition("=")
         if not eq or key not in SETTINGS:
             raise ValueError(f"--explain {item!r} is not SETTING=VALUE with a setting of {', '.join(SETTINGS)}")
-        out[key] = value if key in ("recompute", "schedule", "cp_impl") else \
-            value.lower() in ("1", "true", "yes") if key in ("sequence_parallel", "tp_reduce_fp32") else int(value)
+        kind = type(defaults[key])
+        out[key] = value if kind is str else value.lower() in ("1", "true", "yes") if kind is bool else int(value)
     return out
 
 
