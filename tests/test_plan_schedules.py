@@ -12,7 +12,7 @@ from minidist.hardware import Link, collective_time, link_of
 from minidist.model import get_preset
 from minidist.parallel import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import F, W, chunk_owners
+from minidist.parallel.pp.schedules import chunk_owners
 from minidist.parallel.pp.zero_bubble import build_any_schedule
 from minidist.plan import schedule_costs
 from minidist.plan.rank_memory import (
@@ -20,6 +20,7 @@ from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     activation_bytes,
+    built_in_flight,
     chunks_in_flight,
     estimate_memory,
     head_activation_bytes,
@@ -65,15 +66,7 @@ def test_v_rank_memory_follows_the_built_schedules_in_flight_counts():
     cfg = get_preset("tiny")
     pp, m = 2, 8
     for schedule in ("zb1", "zbv", "dualpipev"):
-        release = W
-        built = []
-        for actions in build_any_schedule(schedule, pp, m):
-            live = peak = 0
-            for a in actions:
-                if a.kind in (F, release):
-                    live += 1 if a.kind == F else -1
-                    peak = max(peak, live)
-            built.append(peak)
+        built = list(built_in_flight(schedule, pp, m))
         assert [chunks_in_flight(schedule, pp, m, 1, s) for s in range(pp)] == built
         assert [chunks_in_flight(schedule, pp, 10**6, 1, s) for s in range(pp)] == built
         lay = Layout.of(pp=pp, microbatches=m, schedule=schedule)

@@ -15,7 +15,7 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
 from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, predict_step
+from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, TokenFlops, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM; FP8's at the same fraction of its "
@@ -30,13 +30,14 @@ LEFT_OUT = ("kernels' efficiency by shape (one matmul efficiency for every GEMM;
 
 def parse_settings(text: str) -> dict[str, Any]:
     """'dp=128 tp=8 recompute=full' -> {"dp": 128, "tp": 8, "recompute": "full"} (commas or spaces between)."""
+    defaults = Layout().flat()  # each setting read as its default's type (a default of None: a whole number)
     out: dict[str, Any] = {}
     for item in text.replace(",", " ").split():
         key, eq, value = item.partition("=")
         if not eq or key not in SETTINGS:
             raise ValueError(f"--explain {item!r} is not SETTING=VALUE with a setting of {', '.join(SETTINGS)}")
-        out[key] = value if key in ("recompute", "schedule", "cp_impl") else \
-            value.lower() in ("1", "true", "yes") if key in ("sequence_parallel", "tp_reduce_fp32") else int(value)
+        kind = type(defaults[key])
+        out[key] = value if kind is str else value.lower() in ("1", "true", "yes") if kind is bool else int(value)
     return out
 
 
@@ -62,13 +63,14 @@ def time_terms(t: StepTime) -> list[str]:
 
 
 def evaluate(cfg: ModelConfig, layout: Layout, seq_len: int, sequences: int, cluster: Cluster,
-             precision: Precision, recipe: Recipe = DEFAULT_RECIPE) -> tuple[MemoryEstimate, StepTime, bool]:
-    """A layout outside the search: (memory of its heaviest stage, step time, whether it fits)."""
+             precision: Precision, recipe: Recipe = DEFAULT_RECIPE, per_token: TokenFlops | None = None,
+             memo: dict | None = None, time_memo: dict | None = None) -> tuple[MemoryEstimate, StepTime, bool]:
+    """One layout, in the search or outside it: (memory of its heaviest stage, step time, whether it fits); a
+    search passes its `token_flops` and its memo dicts (`estimate_memory`'s, `predict_step`'s)."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
-    memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision)
-    budget = cluster.memory_bytes * cluster.usable_memory
-    time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, recipe=recipe)
-    return memory, time, memory.total <= budget
+    memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
+    time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
+    return memory, time, memory.total <= cluster.budget
 
 
 def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepTime, fits: bool, rank: int | None,

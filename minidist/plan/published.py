@@ -31,11 +31,10 @@ from dataclasses import dataclass
 
 from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
+from minidist.parallel.pp.schedules import ZB_SCHEDULES
 from minidist.plan.rank_memory import BF16_MEGATRON, BF16_MIXED, Precision
-from minidist.plan.search import Candidate, Plan, rank_of, search
+from minidist.plan.search import Candidate, Plan, describe_layout, rank_of, search
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
-
-ZERO_BUBBLE = ("zb1", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -66,13 +65,13 @@ def published_runs() -> list[PublishedRun]:
     return [
         PublishedRun("Llama 3 405B, 8,192 H100", "llama3-405b", "H100-SXM", 8192, 8192, 2048, {**llama, "dp": 64},
                      _from_tflops("llama3-405b", 8192, 2048, 8192, 430), "Llama 3 Table 4: 430 TFLOP/s per GPU",
-                     unavailable=ZERO_BUBBLE),
+                     unavailable=ZB_SCHEDULES),
         PublishedRun("Llama 3 405B, 16,384 H100", "llama3-405b", "H100-SXM", 16384, 8192, 2048, {**llama, "dp": 128},
                      _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU",
-                     unavailable=ZERO_BUBBLE),
+                     unavailable=ZB_SCHEDULES),
         PublishedRun("Llama 3 405B, 16,384 H100, this trainer's kernels", "llama3-405b", "H100-SXM", 16384, 8192,
                      2048, {**llama, "dp": 128}, _from_tflops("llama3-405b", 8192, 2048, 16384, 400),
-                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZERO_BUBBLE),
+                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZB_SCHEDULES),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
                      "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8=True, max_nodes=4)),
@@ -113,8 +112,6 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
 
 def table(held: list[Held]) -> str:
     """The Markdown table of docs/PUBLISHED_RUNS.md and chapter 12."""
-    from minidist.plan.search import describe_layout
-
     lines = ["| published run | layout the planner evaluates | predicted s | published s | ratio | rank | rank among "
              "what the run had |", "|---|---|---:|---:|---:|---:|---:|"]
     for h in held:

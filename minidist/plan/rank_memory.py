@@ -32,15 +32,20 @@ every expert gets its share; a real router does not), the temporary tensors of a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import V_SCHEDULES, B, F, W, rank_chunks
+from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
+from minidist.plan.schedule_costs import PLATEAU
+
+T = TypeVar("T")
 
 TOLERANCE = 0.05  # relative, per part (params, grads, optimizer, activations), against measured bytes on the CPU
 
@@ -98,8 +103,10 @@ def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
 
 
 def head_stage(schedule: str, pp: int) -> int:
-    """The pipeline rank that holds the last chunk (the final norm, the head and the loss)."""
-    return 0 if schedule in V_SCHEDULES else pp - 1
+    """The pipeline rank that holds the last chunk (the final norm, the head and the loss): p − 1 in a loop, 0 in a
+    V (`schedules.chunk_rank`)."""
+    chunks, v_shape = placement(schedule, 1)  # in a loop the last chunk is on rank p − 1 whatever v
+    return chunk_rank(chunks * pp - 1, pp, v_shape)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -198,21 +205,16 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
         # search asks this for millions of micro-batches, which are not worth building
         return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
-    if schedule in ("zb1", "zbv", "dualpipev"):  # the peaks stop growing: one build serves every larger m
-        microbatches = min(microbatches, IN_FLIGHT_PLATEAU * pp)
+    if schedule in ZB_SCHEDULES:  # the peaks stop growing: one build serves every larger m
+        microbatches = min(microbatches, PLATEAU * pp)
     return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
-
-
-# Past this many micro-batches per stage a zero-bubble schedule only lengthens its steady state, which holds the
-# same activations: its peaks in flight are counted on the schedule built with this many (tests check the plateau).
-IN_FLIGHT_PLATEAU = 2
 
 
 @functools.lru_cache(maxsize=1024)
 def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
     forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
-    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `IN_FLIGHT_PLATEAU`·p
+    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `schedule_costs.PLATEAU`·p
     micro-batches of a zero-bubble schedule (its peaks no longer grow), so a search over millions costs one build."""
     peaks = []
     for actions in build_any_schedule(schedule, pp, microbatches, virtual_stages):
@@ -316,23 +318,28 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int,
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
+def memoized(memo: dict | None, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, kept in `memo` under `key` (a search's dict: the pieces many layouts share computed once);
+    None: computed every call."""
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
 def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Precision, memo: dict | None
                  ) -> tuple[float, float, float, float]:
     """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
     every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
     key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl, precision)
-    if memo is not None and key in memo:
-        return memo[key]
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
     kernels = (precision.fused, precision.sp_regather)
-    out = (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
-           layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
-           selective_layer_bytes(cfg, 0, tokens, layout, p, r),
-           selective_layer_bytes(cfg, moe_index, tokens, layout, p, r))
-    if memo is not None:
-        memo[key] = out
-    return out
+    return memoized(memo, key, lambda: (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
+                                        layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
+                                        selective_layer_bytes(cfg, 0, tokens, layout, p, r),
+                                        selective_layer_bytes(cfg, moe_index, tokens, layout, p, r)))
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
@@ -376,33 +383,19 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
     dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
     class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
     model, one precision), to compute the pieces shared by many layouts once."""
+    d, o = layout.dims, layout.options
     if stage is None:
-        o = layout.options
-        key = ("classes", layout.dims.pp, o.schedule, o.microbatches, o.virtual_stages)
-        stages = memo.get(key) if memo is not None else None
-        if stages is None:
-            stages = stage_classes(cfg, layout)
-            if memo is not None:
-                memo[key] = stages
+        key = ("classes", d.pp, o.schedule, o.microbatches, o.virtual_stages)
+        stages = memoized(memo, key, lambda: stage_classes(cfg, layout))
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
                    key=lambda e: e.total)
-    o = layout.options
-    key = ("states", layout.dims, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
-    states = memo.get(key) if memo is not None else None
-    if states is None:
-        states = model_state_bytes(cfg, layout, precision, stage)
-        if memo is not None:
-            memo[key] = states
-    d, o = layout.dims, layout.options
+    key = ("states", d, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
+    states = memoized(memo, key, lambda: model_state_bytes(cfg, layout, precision, stage))
     # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
     key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
            layout.recompute, micro_batch, seq_len, stage, precision)
-    acts_transient = memo.get(key) if memo is not None else None
-    if acts_transient is None:
-        acts_transient = activation_bytes(cfg, layout, seq_len, micro_batch, precision, stage, memo)
-        if memo is not None:
-            memo[key] = acts_transient
-    acts, transient = acts_transient
+    acts, transient = memoized(memo, key, lambda: activation_bytes(cfg, layout, seq_len, micro_batch, precision,
+                                                                   stage, memo))
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 

@@ -43,7 +43,7 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
-from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision, estimate_memory
+from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision
 from minidist.plan.step_time import (
     DEFAULT_EFFICIENCY,
     DEFAULT_RECIPE,
@@ -52,7 +52,6 @@ from minidist.plan.step_time import (
     StepTime,
     cluster_for_chip,
     efficiency_source,
-    predict_step,
     token_flops,
 )
 from minidist.train.config import OneLineParser
@@ -199,7 +198,6 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
                          f"tokens ({most:,}: dp up to the sequences, tp a node, cp to {MIN_CP_TOKENS} tokens per "
                          "rank, pp a layer per stage); use fewer GPUs or a larger --global-batch-tokens")
     refused: Counter = Counter()
-    budget = cluster.memory_bytes * cluster.usable_memory
     feasible, rejected = [], []
     per_token = token_flops(cfg, seq_len)
     memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
@@ -219,10 +217,8 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
-        micro_batch = sequences // (dims.dp * m)
-        memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
-        time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
-        fits = memory.total <= budget
+        memory, time, fits = evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe, per_token, memo,
+                                      time_memo)
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
         if fits:
             fits_lighter.add(lighter)
@@ -230,7 +226,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
     rejected.sort(key=lambda c: (c.time.total, c.memory.total))
-    return Plan(feasible, rejected, refused, budget, recipe, precision)
+    return Plan(feasible, rejected, refused, cluster.budget, recipe, precision)
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:

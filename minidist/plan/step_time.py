@@ -46,7 +46,7 @@ from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
-from minidist.plan.rank_memory import Precision, busiest_stage_kinds, rank_params
+from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
 FP8_SPEEDUP = 2.0  # the FP8 dense peak over the bf16 one on Hopper (`hardware.CHIPS`: 1979 vs 989 TFLOP/s)
@@ -65,6 +65,11 @@ class Cluster:
     inter: Link
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
+
+    @property
+    def budget(self) -> float:
+        """Bytes a layout may use per chip."""
+        return self.memory_bytes * self.usable_memory
 
 
 def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None = DEFAULT_EFFICIENCY) -> Cluster:
@@ -186,11 +191,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     o = layout.options
     key = ("stage", layout.dims, o.schedule, o.microbatches, o.virtual_stages, o.cp_impl, layout.sp_degree,
            layout.recompute)
-    stage = memo.get(key) if memo is not None else None
-    if stage is None:
-        stage = _stage_time(cfg, layout, seq_len, global_batch, cluster, precision, per_token, recipe)
-        if memo is not None:
-            memo[key] = stage
+    stage = memoized(memo, key, lambda: _stage_time(cfg, layout, seq_len, global_batch, cluster, precision,
+                                                    per_token, recipe))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
     return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
                     stage.hidden + dp_hidden)
@@ -272,12 +274,8 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
     search's dict for one model, precision and cluster: each collective computed once per grid shape)."""
     o = layout.options
     key = ("dp", layout.dims, o.schedule, o.virtual_stages)
-    found = memo.get(key) if memo is not None else None
-    if found is None:
-        found = _replica_collectives(cfg, layout, cluster, precision)
-        if memo is not None:
-            memo[key] = found
-    all_reduce, reduce_scatter, all_gather = found
+    all_reduce, reduce_scatter, all_gather = memoized(memo, key,
+                                                      lambda: _replica_collectives(cfg, layout, cluster, precision))
     m, backward, zero = o.microbatches, 2 * compute / 3, o.zero
     exposed = 0.0 if zero == 0 else all_gather  # ZeRO 1-2: the updated parameters gathered after the step
     overlappable = all_reduce if zero == 0 else reduce_scatter * (m if zero >= 2 else 1)
