@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from minidist.comm.communicator import Comm
-from minidist.train import checkpoint
+from minidist.train import checkpoint, out_files
 from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
@@ -139,7 +139,7 @@ def locked(out: Path, is_main: bool, log: Callable[[str], None] = print) -> Iter
     lock, mine = out / LOCK, f"{os.getpid()} {socket.gethostname()}\n"
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644)
             break
         except FileExistsError:
             owner = _lock_owner(lock)
