@@ -331,8 +331,7 @@ class MfuMeter:
         self.datasheet = datasheet
         self.raised_from: float | None = None
         self.above_datasheet = False  # a step beat the datasheet peak (reported once)
-        self.tokens = 0
-        self.flops = 0.0
+        self.flops = 0.0  # the counted steps' model FLOPs
         self.seconds = 0.0
 
     def step(self, tokens: int, seconds: float, count: bool = True, flops: float | None = None
@@ -356,7 +355,6 @@ class MfuMeter:
                 self.raised_from = self.peak
             self.peak = achieved
         if count:
-            self.tokens += tokens
             self.flops += flops
             self.seconds += seconds
         return achieved / self.peak, message

@@ -50,9 +50,13 @@ def document_mask(ids: torch.Tensor) -> torch.Tensor:
     return (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
 
 
-def document_mask_mod(ids: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """flex attention's mask_mod of the same mask: (batch, head, query index, key index) -> visible."""
+def document_mask_mod(ids: torch.Tensor, q_index: torch.Tensor | None = None, k_index: torch.Tensor | None = None
+                      ) -> Callable[..., torch.Tensor]:
+    """flex attention's mask_mod of the same mask: (batch, head, query index, key index) -> visible. `q_index`,
+    `k_index`: the global position of each query and key, when they are not 0..T−1 (`gathered_document_attention`)."""
     def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        q = q if q_index is None else q_index[q]
+        k = k if k_index is None else k_index[k]
         return (q >= k) & (ids[b, q] == ids[b, k])
     return visible
 
@@ -114,13 +118,9 @@ def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     of consecutive positions, so the tiles stay whole or empty as in one sequence. Autograd is flex's own."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        qp, kp = q_index[qi], k_index[ki]
-        return (qp >= kp) & (ids[b, qp] == ids[b, kp])
-
     cuda = q.device.type == "cuda"
-    block_mask = create_block_mask(visible, ids.shape[0], None, len(q_index), len(k_index), device=q.device,
-                                   _compile=cuda)
+    block_mask = create_block_mask(document_mask_mod(ids, q_index, k_index), ids.shape[0], None, len(q_index),
+                                   len(k_index), device=q.device, _compile=cuda)
     return _flex(q.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from minidist.comm.communicator import Comm
-from minidist.train import checkpoint
+from minidist.train import checkpoint, dashboard, out_files, profiling
 from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
 # what the trainer writes, and all that --overwrite removes (tensorboard/ and profile/: --tensorboard, --profile-steps)
-RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", "tensorboard", "profile", "tokenizer.json")
+RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", dashboard.DIRECTORY, profiling.DIRECTORY, "tokenizer.json")
 HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
 LOCK = ".lock"
@@ -115,7 +115,7 @@ def foreign_files(out: Path) -> list[Path]:
     foreign = [out / n for n in ("run.json", "metrics.jsonl", "loss.png")
                if (out / n).exists() and not (out / n).is_symlink() and not (out / n).is_file()]
     for name, own in (("checkpoints", OWN_CHECKPOINT_ENTRY), ("flight", OWN_FLIGHT_ENTRY),
-                      ("tensorboard", OWN_BOARD_ENTRY), ("profile", OWN_PROFILE_ENTRY)):
+                      (dashboard.DIRECTORY, OWN_BOARD_ENTRY), (profiling.DIRECTORY, OWN_PROFILE_ENTRY)):
         root = out / name
         if not root.is_dir() or root.is_symlink():
             foreign += [root] if root.exists() and not root.is_symlink() else []  # a file named checkpoints
@@ -139,7 +139,7 @@ def locked(out: Path, is_main: bool, log: Callable[[str], None] = print) -> Iter
     lock, mine = out / LOCK, f"{os.getpid()} {socket.gethostname()}\n"
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644)
             break
         except FileExistsError:
             owner = _lock_owner(lock)

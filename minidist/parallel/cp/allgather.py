@@ -17,7 +17,7 @@ import torch
 from minidist.comm.communicator import Comm
 from minidist.model.documents import gathered_document_attention
 from minidist.parallel.cp.blockwise import Work, blockwise_attention
-from minidist.parallel.cp.sharding import shard_spans
+from minidist.parallel.cp.sharding import shard_all, shard_spans
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -48,10 +48,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm:
     cp = comm.size
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
+    if docs is not None and (q.device.type == "cuda" if flex is None else flex):
+        positions = shard_all(torch.arange(seq_len, device=q.device), cp, layout)  # [cp, T/cp]: who holds what
+        return gathered_document_attention(q, k_all, v_all, docs, positions[comm.rank], positions.flatten(), scale)
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
     q_spans = shard_spans(seq_len, comm.rank, cp, layout)
-    if docs is not None and (q.device.type == "cuda" if flex is None else flex):
-        q_index, k_index = (torch.cat([torch.arange(s.start, s.stop, device=q.device) for s in spans])
-                            for spans in (q_spans, key_spans))
-        return gathered_document_attention(q, k_all, v_all, docs, q_index, k_index, scale)
     return blockwise_attention(q, k_all, v_all, scale, q_spans=q_spans, k_spans=key_spans, work=work, docs=docs)

@@ -86,8 +86,11 @@ def visibility(q: range, k: range, device: torch.device) -> torch.Tensor | str:
 
 
 def visible_pairs(q: range, k: range) -> int:
-    """How many (query, key) pairs of two chunks the causal mask keeps: key <= query, counted on the host."""
-    return sum(max(0, min(k.stop, p + 1) - k.start) for p in q)
+    """How many (query, key) pairs of two chunks the causal mask keeps: key <= query, counted on the host in closed
+    form (query p sees min(p + 1, k.stop) − k.start keys, none below k.start: a rising run, then whole rows)."""
+    lo, hi = max(q.start, k.start), min(q.stop, k.stop)  # queries inside the keys' span: 1, 2, ... keys each
+    rising = (hi - lo) * (lo + hi + 1 - 2 * k.start) // 2 if hi > lo else 0
+    return rising + len(k) * max(0, q.stop - max(q.start, k.stop))  # queries past the span see all of it
 
 
 def with_documents(seen: torch.Tensor | str, q: range, k: range, docs: torch.Tensor | None) -> torch.Tensor | str:
