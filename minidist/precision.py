@@ -101,12 +101,10 @@ class DynamicLossScaler:
 
     def unscale_(self, params: list[torch.nn.Parameter]) -> bool:
         """Divide every gradient by the scale (in place); True when any is inf or NaN (the step must be skipped)."""
-        found_inf = False
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(self.scale)
-                found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
-        return found_inf
+        grads = [p.grad for p in params if p.grad is not None]
+        for grad in grads:
+            grad.div_(self.scale)
+        return bool(torch.stack([~torch.isfinite(g).all() for g in grads]).any()) if grads else False  # one read
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -23,7 +23,6 @@ from minidist.parallel.pp.schedules import (
     SEND_F,
     Action,
     B,
-    F,
     W,
     check_complete,
     chunk_owners,
@@ -37,6 +36,7 @@ from minidist.parallel.pp.split_backward import (
     backward_weight_simple,
 )
 from minidist.parallel.pp.zero_bubble import build_any_schedule, zb_bubble_formula, zb_makespan
+from minidist.plan.rank_memory import built_in_flight
 
 # ---------------------------------------------------------------------------------------------------------------
 # The split: B + W = the fused backward, bit for bit, and W does not walk the input's path again
@@ -126,15 +126,6 @@ GRID = [("zb1", p, m) for p in range(1, 7) for m in range(p, 3 * p + 2)] + [
     ("zbv", p, m) for p in range(1, 7) for m in range(2 * p, 3 * p + 2)]
 
 
-def _in_flight(order: list[Action]) -> int:
-    """Most forwards whose W has not run yet: the activations a rank holds."""
-    live = peak = 0
-    for a in order:
-        live += (a.kind == F) - (a.kind == W)
-        peak = max(peak, live)
-    return peak
-
-
 def test_dualpipev_is_complete_and_its_bubble_is_zbvs_at_equal_costs_and_no_more_unless_t_b_dominates() -> None:
     for p in range(1, 7):
         for m in range(2 * p, 3 * p + 2):
@@ -142,7 +133,7 @@ def test_dualpipev_is_complete_and_its_bubble_is_zbvs_at_equal_costs_and_no_more
             check_complete(actions, p, m, 2, v_shape=True)
             assert chunk_owners(actions) == {c: min(c, 2 * p - 1 - c) for c in range(2 * p)}
             # 2p + 1 chunk activations on every rank: ZB-V's 2p, and the forward of an (F, B) pair runs first
-            assert [_in_flight(order) for order in actions] == [2 * p + 1] * p, (p, m)
+            assert list(built_in_flight("dualpipev", p, m)) == [2 * p + 1] * p, (p, m)
             equal = simulate(actions, 0.5, 0.5, weight=0.5)
             assert equal.makespan == pytest.approx(zb_makespan("dualpipev", p, m, 1, 1, 1), rel=1e-12)
             assert equal.makespan == pytest.approx(zb_makespan("zbv", p, m, 1, 1, 1), rel=1e-12)
@@ -172,7 +163,7 @@ def test_every_zero_bubble_schedule_is_complete_and_matches_its_makespan_formula
             assert timeline.bubble_fraction() == pytest.approx(zb_bubble_formula(schedule, p, m, t_f, t_b, t_w),
                                                                abs=1e-12)
         # Peak activations: ZB-H1 p micro-batches on every rank (1F1B's rank 0), ZB-V 2p half-stage chunks.
-        assert [_in_flight(order) for order in actions] == [v * p] * p, (schedule, p, m)
+        assert list(built_in_flight(schedule, p, m)) == [v * p] * p, (schedule, p, m)
 
 
 def test_zb1_has_a_third_of_1f1bs_bubble_and_zbv_a_sixth_at_equal_costs() -> None:

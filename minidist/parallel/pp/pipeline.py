@@ -216,7 +216,7 @@ class _StepState:
     loss_scale: float | torch.Tensor
     wire: InFlight
     chunks: list[int]  # this rank's: a message between two of them goes through `mailbox`
-    last_backward: Action | None  # the backward (W, when the schedule splits it) that runs outside `no_sync`
+    last_backward: Key | None  # whose backward (its W, when the schedule splits it) runs outside `no_sync`
     loss_sum: torch.Tensor
     aux_sum: torch.Tensor
     stats: StepStats = field(default_factory=StepStats)
@@ -246,6 +246,9 @@ class _StepState:
         """The message a RECV action takes, waited for already."""
         message = message_of(a)
         return self.mailbox.pop(message) if self.is_local(message) else self.wire.take(message)
+
+    def quiet_unless_last(self, key: Key) -> contextlib.AbstractContextManager:  # no_sync, but not for the last
+        return self.no_sync() if self.no_sync is not None and key != self.last_backward else contextlib.nullcontext()
 
     def release(self, key: Key) -> None:
         self.live -= self.held.pop(key)
@@ -347,8 +350,7 @@ class PipelineRunner:
         positions = positions or [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
         s = _StepState(batches, list(zip(positions, docs or [None] * len(batches))), autocast, no_sync, loss_scale,
                        wire=InFlight(self.comm, self.activation_dtype, device), chunks=self.stage.chunks,
-                       last_backward=next((a for a in reversed(actions) if a.kind == W), None)
-                       or next((a for a in reversed(actions) if a.kind == B), None),
+                       last_backward=next(((a.mb, a.chunk) for a in reversed(actions) if a.kind in (B, W)), None),
                        loss_sum=torch.zeros((), dtype=torch.float32, device=device),
                        aux_sum=torch.zeros((), dtype=torch.float32, device=device),
                        fused=fused_backwards(actions) if self.split else set())
@@ -412,8 +414,7 @@ class PipelineRunner:
         if self.split and key not in s.fused:
             dinputs, s.weight_work[key] = backward_input(tensors, grads, inputs)
         else:  # the last backward (its B, or its W when fused here) starts the gradient sync
-            last = s.last_backward is not None and key == (s.last_backward.mb, s.last_backward.chunk)
-            with s.no_sync() if s.no_sync is not None and not last else contextlib.nullcontext():
+            with s.quiet_unless_last(key):
                 torch.autograd.backward(tensors, grads)
             dinputs = [x.grad for x in inputs]
             s.release(key)
@@ -425,9 +426,8 @@ class PipelineRunner:
         key = (a.mb, a.chunk)
         if key in s.fused:
             return  # its B ran the whole backward
-        quiet = s.no_sync or contextlib.nullcontext  # the last W reduces once all of its backward calls have run
-        with quiet() if a != s.last_backward else contextlib.nullcontext():
-            backward_weight(s.weight_work.pop(key), quiet)
+        with s.quiet_unless_last(key):  # the last W reduces once all of its backward calls have run
+            backward_weight(s.weight_work.pop(key), s.no_sync or contextlib.nullcontext)
         s.release(key)
 
     def _receive_forward(self, s: _StepState, a: Action) -> None:

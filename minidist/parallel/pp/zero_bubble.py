@@ -53,6 +53,7 @@ from minidist.parallel.pp.schedules import (
     W,
     build_schedule,
     check_schedule_args,
+    rank_chunks,
     with_communication,
     zb_bubble_formula,
     zb_makespan,
@@ -98,7 +99,7 @@ def zbv_order(pp: int, microbatches: int) -> list[list[Action]]:
 
 
 def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
-    down, up = r, 2 * p - 1 - r
+    down, up = rank_chunks(r, p, v_shape=True)
     count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
     order: list[Action] = []
 
@@ -141,7 +142,7 @@ def dualpipev_order(pp: int, microbatches: int) -> list[list[Action]]:
 
 
 def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
-    down, up = r, 2 * p - 1 - r
+    down, up = rank_chunks(r, p, v_shape=True)
     count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
     order: list[Action] = []
     owed: list[Action] = []
