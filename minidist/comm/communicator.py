@@ -138,8 +138,10 @@ class Handle:
                 recorder = self.origin[0].recorder if self.origin is not None else None
                 if recorder is None:
                     self._work.wait()
-                else:
-                    recorder.blocked(self.origin[2], self._work.wait)
+                else:  # the flight record says which call a rank is blocked in (a rank blocked in none is stuck
+                    recorder.waiting_on = self.origin[2]  # elsewhere: minidist.debug.diff names it); a wait that
+                    self._work.wait()  # raises (a timeout) leaves it set: the record written then names the call
+                    recorder.waiting_on = None
             if self._after is not None:
                 self._after()
             self._done = True
@@ -365,10 +367,11 @@ class Comm:
                                                                           None)
             device_ids = [device.index] if device is not None and device.type == "cuda" else None
             self.last_call = ("barrier", seq)
-            if self.recorder is None:
-                dist.barrier(group=self.group, device_ids=device_ids)
-            else:
-                self.recorder.blocked(seq, lambda: dist.barrier(group=self.group, device_ids=device_ids))
+            if self.recorder is not None:
+                self.recorder.waiting_on = seq  # left set if the barrier raises (see Handle.wait)
+            dist.barrier(group=self.group, device_ids=device_ids)
+            if self.recorder is not None:
+                self.recorder.waiting_on = None
 
     # -- point to point -------------------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +74,6 @@ class FlightRecorder:
         self._ring: deque[tuple] = deque(maxlen=capacity)
         self._counts: dict[tuple, int] = {}
         self.waiting_on: int | None = None  # the seq of the call this rank is blocked in now (None: in none)
-
-    def blocked(self, seq: int | None, wait: Callable[[], Any]) -> None:
-        """Run `wait`, a call that blocks on other ranks, with `waiting_on` = seq: the record says which call a rank is
-        blocked in (a rank blocked in none is stuck elsewhere: minidist.debug.diff names it). A wait that raises (a
-        timeout) leaves it set: the record written then names the call."""
-        self.waiting_on = seq
-        wait()
-        self.waiting_on = None
 
     def record(self, group: str, ranks: tuple[int, ...], op: str, shape: tuple[int, ...], dtype: Any,
                peer: int | None = None, batch: int | None = None, detail: str | None = None) -> int:
