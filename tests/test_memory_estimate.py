@@ -108,11 +108,12 @@ def test_dense_block_is_chapter_01s_count():
 
 @pytest.mark.parametrize("pp, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
 def test_interleaved_in_flight_is_megatrons_warm_up(pp, v):
-    """`chunks_in_flight` of the interleaved schedule with m a multiple of p is Megatron's warm-up plus one,
-    2(p − r − 1) + (v − 1)p + 1 (at most m·v), a formula: checked here on the built schedules."""
+    """`chunks_in_flight` of the interleaved schedule is Megatron's warm-up plus one, 2(p − r − 1) + (v − 1)g + 1
+    (at most m·v; g the first group's micro-batches: p when p divides m, more when it does not), a formula: checked
+    here on the built schedules, m a multiple of p or not."""
     from minidist.plan.rank_memory import built_in_flight
 
-    for m in (pp, 2 * pp, 3 * pp, 5 * pp):
+    for m in sorted({pp, pp + 1, 2 * pp, 2 * pp + 1, 3 * pp - 1, 3 * pp, 5 * pp, 5 * pp + pp // 2, 7 * pp + 3}):
         for stage, peak in enumerate(built_in_flight("interleaved", pp, m, v)):
             assert peak == chunks_in_flight("interleaved", pp, m, v, stage)
 

@@ -129,6 +129,25 @@ def test_heaviest_stage_is_found_in_the_middle():
     assert len(stage_classes(cfg, layout)) <= 5
 
 
+def test_a_layout_over_budget_on_its_first_stage_is_rejected_without_the_others():
+    """The search's shortcut: a layout whose first stage alone is over the budget is rejected after evaluating that
+    stage only; completed (`Plan.heaviest`), it is what the full evaluation gives, over the budget as well, and
+    every layout the search keeps or rejects whole is evaluated in full."""
+    cfg = get_preset("small")
+    gpus, seq_len, sequences = 8, 256, 64
+    budget = 0.5 * estimate_memory(cfg, Layout.of(dp=8), seq_len, sequences // 8, FP32).total
+    plan = search(cfg, gpus, seq_len, sequences * seq_len, _toy_cluster(budget), FP32)
+    cut = [c for c in plan.rejected if c.over_at_first_stage]
+    assert cut and plan.feasible and len(cut) < len(plan.rejected)
+    for c in cut + plan.feasible + [c for c in plan.rejected if not c.over_at_first_stage]:
+        micro_batch = sequences // (c.layout.dims.dp * c.layout.options.microbatches)
+        full = estimate_memory(cfg, c.layout, seq_len, micro_batch, FP32)
+        assert plan.heaviest(c).memory == full and not plan.heaviest(c).over_at_first_stage
+        if c.over_at_first_stage:
+            assert c.memory.stage == 0 and full.total >= c.memory.total > budget
+        assert (full.total <= budget) == c.fits
+
+
 def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
     from minidist.plan.search import _divisors
 
@@ -139,6 +158,7 @@ def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
     # a million micro-batches: the interleaved peak in flight is a formula, no schedule built
     from minidist.plan.rank_memory import chunks_in_flight
     assert chunks_in_flight("interleaved", 4, 4 * 10**6, 2, 0) == chunks_in_flight("interleaved", 4, 8, 2, 0)
+    assert chunks_in_flight("interleaved", 64, 8 * 10**6 + 1, 8, 0) == 2 * 63 + 7 * 65 + 1  # groups of 64 and 65
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000G",
                  "--top", "1", "--json"]) == 0
 

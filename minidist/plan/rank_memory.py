@@ -200,11 +200,13 @@ def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: 
         return microbatches * virtual_stages
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
-    if schedule == "interleaved" and microbatches % pp == 0:
-        # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)p forwards, then one more before the first backward
-        # (Narayanan et al. 2021, §2.2; tests/test_memory_estimate.py checks it against the built schedules): the
-        # search asks this for millions of micro-batches, which are not worth building
-        return min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, microbatches * virtual_stages)
+    if schedule == "interleaved":
+        # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)·g forwards (g: the first group's micro-batches, p
+        # when p divides m), then one more before the first backward (Narayanan et al. 2021, §2.2;
+        # tests/test_memory_estimate.py checks it against the built schedules): the search asks this for millions
+        # of micro-batches, which are not worth building
+        first_group = -(-microbatches // (microbatches // pp)) if microbatches >= pp else microbatches  # the largest
+        return min(2 * (pp - stage - 1) + (virtual_stages - 1) * first_group + 1, microbatches * virtual_stages)
     if schedule in ZB_SCHEDULES:  # the peaks stop growing: one build serves every larger m
         microbatches = min(microbatches, PLATEAU * pp)
     return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
@@ -332,7 +334,7 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
                  ) -> tuple[float, float, float, float]:
     """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
     every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
-    key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl, precision)
+    key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl)
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
     kernels = (precision.fused, precision.sp_regather)
@@ -389,11 +391,11 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
         stages = memoized(memo, key, lambda: stage_classes(cfg, layout))
         return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
                    key=lambda e: e.total)
-    key = ("states", d, o.zero, placement(o.schedule, o.virtual_stages), stage, precision)
+    key = ("states", d, o.zero, placement(o.schedule, o.virtual_stages), stage)  # `memo`: one precision
     states = memoized(memo, key, lambda: model_state_bytes(cfg, layout, precision, stage))
     # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
     key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
-           layout.recompute, micro_batch, seq_len, stage, precision)
+           layout.recompute, micro_batch, seq_len, stage)
     acts, transient = memoized(memo, key, lambda: activation_bytes(cfg, layout, seq_len, micro_batch, precision,
                                                                    stage, memo))
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)

@@ -34,7 +34,7 @@ import math
 import sys
 import typing
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minidist.comm.topology import ParallelDims
@@ -43,7 +43,7 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
-from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision
+from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import (
     DEFAULT_EFFICIENCY,
     DEFAULT_RECIPE,
@@ -52,6 +52,7 @@ from minidist.plan.step_time import (
     StepTime,
     cluster_for_chip,
     efficiency_source,
+    predict_step,
     token_flops,
 )
 from minidist.train.config import OneLineParser
@@ -67,9 +68,12 @@ JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "microbatches", "
 @dataclass
 class Candidate:
     layout: Layout
-    memory: MemoryEstimate  # of the heaviest pipeline stage (`memory.stage`)
+    memory: MemoryEstimate  # of the heaviest pipeline stage (`memory.stage`), unless `over_at_first_stage`
     time: StepTime
     fits: bool = True
+    # the search's shortcut for a layout whose first stage alone is over the budget: `memory` is that stage's
+    # (`Plan.heaviest` completes it; most layouts of a large search are rejected so, at a fifth of the cost)
+    over_at_first_stage: bool = False
 
     def row(self) -> dict:
         values = {**self.layout.flat(), "mem_gib": round(self.memory.total / GIB, 2),
@@ -85,6 +89,13 @@ class Plan:
     budget: float = 0.0  # usable bytes per chip
     recipe: Recipe = DEFAULT_RECIPE  # FP8, node-limited routing: as the search assumed them
     precision: Precision = BF16_MIXED  # bytes per parameter and activation, the kernels' saved tensors
+    memory_of: Callable[[Layout], MemoryEstimate] | None = None  # a layout's heaviest stage, as the search counts
+
+    def heaviest(self, candidate: Candidate) -> Candidate:
+        """`candidate` with the memory of its heaviest stage (a rejected one may carry only its first stage's)."""
+        if not candidate.over_at_first_stage or self.memory_of is None:
+            return candidate
+        return dataclasses.replace(candidate, memory=self.memory_of(candidate.layout), over_at_first_stage=False)
 
 
 def parse_tokens(text: str) -> int:
@@ -217,6 +228,11 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
+        first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo)
+        if first.total > cluster.budget:  # over on its first stage: it cannot fit, whichever stage is heaviest
+            time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
+            rejected.append(Candidate(layout, first, time, False, over_at_first_stage=True))
+            continue
         memory, time, fits = evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe, per_token, memo,
                                       time_memo)
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
@@ -225,8 +241,12 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         if fits and dims.pp == 1:
             fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
-    rejected.sort(key=lambda c: (c.time.total, c.memory.total))
-    return Plan(feasible, rejected, refused, cluster.budget, recipe, precision)
+    rejected.sort(key=lambda c: (c.time.total, c.memory.total))  # memory: a lower bound where over at stage 0
+
+    def memory_of(layout: Layout) -> MemoryEstimate:
+        micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
+        return estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
+    return Plan(feasible, rejected, refused, cluster.budget, recipe, precision, memory_of)
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
@@ -239,7 +259,8 @@ def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
     for i, c in enumerate(plan.feasible, 1):
         if match(c):
             return i, c
-    return None, next((c for c in plan.rejected if match(c)), None)
+    rejected = next((c for c in plan.rejected if match(c)), None)
+    return None, rejected and plan.heaviest(rejected)
 
 
 def why_rejected(candidate: Candidate, budget: float) -> str:
@@ -297,7 +318,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
         shape = c.layout.dims
         if shape not in seen and len(faster) < 3:
             seen.add(shape)
-            faster.append(c)
+            faster.append(plan.heaviest(c))
     if faster:
         lines += ["", "the fastest layouts that do not fit, and why:"]
         lines += [f"  {describe_layout(c.layout)}: {c.time.total:.3f} s, {why_rejected(c, plan.budget)}"
