@@ -95,6 +95,30 @@ MAMF_SOURCE = ("Bekman, Machine Learning Engineering, 'Maximum Achievable Matmul
 MATMUL_EFFICIENCY: dict[str, float] = {"A100": 267.9 / 312, "H100-SXM": 792.1 / 989, "H800": 792.1 / 989,
                                        "H200-SXM": 821.0 / 989}
 
+# FP8 GEMMs with DeepSeek-V3's fine-grained scaling (1x128 tiles of activations, 128x128 blocks of weights) measured
+# at DeepSeek-V3's own shapes on H800 (NVCC 12.8): Zhao et al., DeepGEMM (github.com/deepseek-ai/DeepGEMM, README,
+# "Performance", February 2025), a GEMM benchmark, not a training run. The rows with a training-sized M, as
+# (groups, rows per group, N, K, TFLOP/s): one MoE block's linears for a micro-batch of 4,096 tokens: the dense ones
+# (the latent down-projections, the query and key/value up-projections, the output projection, the shared
+# expert's two) and the routed experts' as EP 64 groups them (4 experts per rank, 8,192 rows each: gate and up,
+# then down). Their FLOPs over their seconds is the rate of such a block's FP8 linears: 1,185 TFLOP/s, 60% of the
+# 1,979 peak, where twice the best bf16 matmul would say 1,584 (fine-grained scaling's promotions cost the rest).
+DEEPGEMM_SOURCE = "DeepGEMM's FP8 GEMMs at DeepSeek-V3's shapes on H800 (github.com/deepseek-ai/DeepGEMM, README, 2025)"
+DEEPGEMM_BLOCK: tuple[tuple[int, int, int, int, float], ...] = (
+    (1, 4096, 2112, 7168, 1058), (1, 4096, 24576, 1536, 990), (1, 4096, 32768, 512, 590),
+    (1, 4096, 7168, 16384, 1358), (1, 4096, 4096, 7168, 1304), (1, 4096, 7168, 2048, 1025),
+    (4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099))
+
+
+def gemm_rate(rows: tuple[tuple[int, int, int, int, float], ...]) -> float:
+    """FLOP/s of a set of GEMMs run one after the other: their FLOPs over the sum of their times."""
+    flops = [2 * g * m * n * k for g, m, n, k, _ in rows]
+    return sum(flops) / sum(f / (tflops * 1e12) for f, (*_, tflops) in zip(flops, rows))
+
+
+# The chips DeepGEMM's figures hold for: the H800 and the H100 SXM (the same compute die and clocks, as above).
+FP8_BLOCKWISE_RATE: dict[str, float] = {name: gemm_rate(DEEPGEMM_BLOCK) for name in ("H800", "H100-SXM")}
+
 
 # Vendors print the sparse peak, twice the dense one. HBM is sized in binary units (an "80GB" H100 reports 81,559
 # MiB); the H200's 141 GB and the B200's 180 GB are quoted as decimal. PCIe and NVL cards are paired or bridged, not

@@ -149,7 +149,7 @@ def test_fp8_and_node_limited_routing():
     lay = Layout.of(dp=8, ep=8)
     slow = _cluster(gpus_per_node=2)
     plain = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED)
-    fp8 = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(fp8=True))
+    fp8 = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(fp8="tensorwise"))
     assert plain.compute / 2 < fp8.compute < plain.compute and fp8.ep < plain.ep  # FP8 dispatch: half the bytes
     limited = predict_step(cfg, lay, 256, 64, slow, BF16_MIXED, recipe=Recipe(max_nodes=1))
     assert cfg.moe.top_k > 1 and limited.ep < plain.ep
@@ -180,3 +180,23 @@ def test_recipe_flags_on_the_command_line(capsys):
     assert main([*args, "--max-nodes", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--max-nodes must be >= 0" in err
+
+
+def test_fp8_blockwise_runs_at_deepgemms_measured_rate():
+    """Blockwise FP8 on H800/H100: the FLOPs of DeepGEMM's measured GEMMs (a DeepSeek-V3 block, 4,096 tokens, EP 64)
+    over their summed seconds, inside the table's range and below twice the bf16 matmul rate; the other recipes
+    (and other chips) at twice bf16's."""
+    from minidist.hardware import DEEPGEMM_BLOCK, gemm_rate
+    from minidist.plan.step_time import cluster_for_chip, fp8_rate
+
+    assert gemm_rate(((1, 64, 64, 64, 500.0),)) == pytest.approx(500e12)
+    two = ((1, 64, 64, 64, 500.0), (2, 32, 64, 64, 1000.0))  # equal FLOPs: the harmonic mean
+    assert gemm_rate(two) == pytest.approx(2 / (1 / 500 + 1 / 1000) * 1e12)
+    rates = [tflops * 1e12 for *_, tflops in DEEPGEMM_BLOCK]
+    for name in ("H800", "H100-SXM"):
+        cluster = cluster_for_chip(name, efficiency=None)
+        bf16_twice = 2 * cluster.peak_flops * cluster.efficiency
+        assert min(rates) < fp8_rate(cluster, "blockwise") < min(max(rates), bf16_twice)
+        assert fp8_rate(cluster, "rowwise") == pytest.approx(bf16_twice)
+    a100 = cluster_for_chip("A100", efficiency=None)
+    assert fp8_rate(a100, "blockwise") == pytest.approx(2 * a100.peak_flops * a100.efficiency)

@@ -52,6 +52,7 @@ from minidist.plan.step_time import (
     StepTime,
     cluster_for_chip,
     efficiency_source,
+    fp8_source,
     predict_step,
     token_flops,
 )
@@ -278,9 +279,10 @@ def describe_layout(lay: Layout) -> str:
         (f" recompute {lay.recompute}" if lay.recompute != "none" else "")
 
 
-def recipe_words(recipe: Recipe) -> str:
+def recipe_words(recipe: Recipe, cluster: Cluster) -> str:
     """What the search assumed beyond the layouts, in words (empty for the defaults)."""
-    words = (["the blocks' linear GEMMs in FP8 (at the FP8 peak, quantization not charged)"] if recipe.fp8 else []) + \
+    fp8 = f"the blocks' linear GEMMs in FP8, {recipe.fp8} ({fp8_source(cluster, recipe.fp8)}; quantization not charged)"
+    words = ([fp8] if recipe.fp8 else []) + \
         ([f"each token's experts on at most {recipe.max_nodes} nodes"] if recipe.max_nodes else [])
     return "; " + "; ".join(words) if words else ""
 
@@ -295,7 +297,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"({efficiency_source(cluster)}); links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
              "master and AdamW moments" + ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
-                                           else "") + recipe_words(plan.recipe),
+                                           else "") + recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
              f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
@@ -349,8 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help=f"print a JSON list of the top K, keys: "
                         f"{', '.join(JSON_KEYS)} (with --explain: one object, the same keys and 'rank')")
     parser.add_argument("--fp8", default="none", choices=FP8_CHOICES,
-                        help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (timed at the "
-                             "FP8 peak, twice bf16's, at the same efficiency; DeepSeek-V3 trained so); default none")
+                        help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (blockwise on "
+                             "H800/H100 at DeepGEMM's rate measured at DeepSeek-V3's shapes, else the FP8 peak, twice "
+                             "bf16's, at the bf16 efficiency; DeepSeek-V3 trained blockwise); default none")
     parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
                         help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
                              "keep their gathered input) or Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
@@ -401,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
         settings = parse_settings(args.explain) if args.explain is not None else None
         plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
-                      Recipe(args.fp8 != "none", args.max_nodes))
+                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes))
         if settings is not None:
             return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
     except (ValueError, TypeError) as e:

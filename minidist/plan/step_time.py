@@ -26,7 +26,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   `rank_memory.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
   hide the pipeline sends and the ep all-to-all behind the paired chunk's compute, each pair max(compute,
   communication) (DeepSeek-AI 2024, §3.2.1).
-* `Recipe`: FP8 GEMMs in the blocks' linears at the FP8 peak (`FP8_SPEEDUP`; the forward's dispatch in FP8);
+* `Recipe`: FP8 GEMMs in the blocks' linears (`fp8_rate`: blockwise at DeepGEMM's rate measured at DeepSeek-V3's
+  shapes on H800, else the FP8 peak at the bf16 efficiency; the forward's dispatch in FP8);
   node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, top_k over
   NVLink, one after the other).
 
@@ -41,7 +42,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
-from minidist.hardware import MAMF_SOURCE, Link, chip, collective_time, link_of, node_chips, peak_flops
+from minidist.hardware import (
+    DEEPGEMM_SOURCE,
+    FP8_BLOCKWISE_RATE,
+    MAMF_SOURCE,
+    Link,
+    chip,
+    collective_time,
+    link_of,
+    node_chips,
+    peak_flops,
+)
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
@@ -158,24 +169,40 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
     return RankFlops(split * tokens, attention / dims.tp * tokens, linears * tokens)
 
 
-def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: bool) -> float:
-    """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak; under FP8 the blocks'
-    linears at the same efficiency of the FP8 peak (twice bf16's on Hopper). The FP8 recipe's quantization (casts
-    and scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
-    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
+def fp8_rate(cluster: Cluster, fp8: str) -> float:
+    """FLOP/s of the blocks' FP8 linears: blockwise scaling at DeepGEMM's measured rate where it was measured
+    (`hardware.FP8_BLOCKWISE_RATE`: H800, H100 SXM), else the FP8 peak (twice bf16's on Hopper) at the bf16
+    matmul efficiency."""
+    measured = FP8_BLOCKWISE_RATE.get(cluster.name) if fp8 == "blockwise" else None
+    return measured or cluster.peak_flops * cluster.efficiency * FP8_SPEEDUP
+
+
+def fp8_source(cluster: Cluster, fp8: str) -> str:
+    """Where `fp8_rate` comes from, in words."""
+    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_RATE:
+        return f"{fp8_rate(cluster, fp8) / 1e12:,.0f} TFLOP/s, {DEEPGEMM_SOURCE}"
+    return "the FP8 peak at the bf16 matmul efficiency"
+
+
+def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "") -> float:
+    """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak; under FP8 (`fp8` a
+    recipe's name) the blocks' linears at `fp8_rate`. The FP8 recipe's quantization (casts and scales, element-wise
+    passes over the linears' inputs and gradients) is not charged: fused into the GEMMs' neighbours in
+    DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
     if not fp8:
         return flops.total / rate
-    return (flops.total - flops.linears) / rate + flops.linears / (rate * FP8_SPEEDUP)
+    return (flops.total - flops.linears) / rate + flops.linears / fp8_rate(cluster, fp8)
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the run computes and routes, beyond the layout: `fp8` runs the blocks' linear GEMMs in FP8 (the
-    trainer's --fp8 recipes, DeepSeek-V3's §3.3); `max_nodes` > 0 limits each token's experts to that many nodes
-    (DeepSeek-V3's node-limited routing, M = 4; the trainer's router does not limit them: 0)."""
+    """How the run computes and routes, beyond the layout: `fp8` names the trainer's --fp8 recipe the blocks' linear
+    GEMMs run in ('tensorwise', 'rowwise', 'blockwise': DeepSeek-V3's §3.3; '' for bf16); `max_nodes` > 0 limits
+    each token's experts to that many nodes (DeepSeek-V3's node-limited routing, M = 4; the trainer's router does
+    not limit them: 0)."""
 
-    fp8: bool = False
+    fp8: str = ""
     max_nodes: int = 0
 
 
