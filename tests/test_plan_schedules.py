@@ -200,3 +200,17 @@ def test_fp8_blockwise_runs_at_deepgemms_measured_rate():
         assert fp8_rate(cluster, "rowwise") == pytest.approx(bf16_twice)
     a100 = cluster_for_chip("A100", efficiency=None)
     assert fp8_rate(a100, "blockwise") == pytest.approx(2 * a100.peak_flops * a100.efficiency)
+
+
+def test_deepseek_precision_keeps_fp32_gradients_and_bf16_moments():
+    """`--kernels deepseek` (DeepSeek-V3 §3.3.3): Megatron's activations, gradients in fp32 (twice bf16's bytes),
+    the master copy fp32 and the AdamW moments bf16 (8 bytes of optimizer state, not 12), named in the report."""
+    from minidist.plan.rank_memory import BF16_DEEPSEEK, PRECISIONS, precision_words
+
+    cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=2))
+    lay = Layout.of(dp=2, ep=2, pp=2, microbatches=4, zero=1)
+    ours, megatron = (estimate_memory(cfg, lay, 256, 1, p) for p in (BF16_DEEPSEEK, BF16_MEGATRON))
+    assert ours.grads == pytest.approx(2 * megatron.grads)
+    assert ours.optimizer == pytest.approx(megatron.optimizer * 8 / 12)
+    assert ours.params == megatron.params and ours.activations == megatron.activations
+    assert PRECISIONS["deepseek"] is BF16_DEEPSEEK and "fp32 gradients, 8 bytes" in precision_words(BF16_DEEPSEEK)

@@ -14,8 +14,9 @@ The published step time is the one the paper's own figure implies, with this cou
   180K H800 GPU-hours per trillion tokens, i.e. 10^12 / (180,000 · 3,600) tokens per second per GPU.
 
 Both runs are searched with Megatron-LM's kernels' saved activations (`rank_memory.BF16_MEGATRON`: both stacks fuse
-RMSNorm, RoPE and SwiGLU and keep sequence-parallel inputs sharded), DeepSeek-V3 with its own recipe besides
-(`step_time.Recipe`: FP8 GEMMs in the blocks' linears, each token's experts on at most 4 nodes) and DualPipe, here
+RMSNorm, RoPE and SwiGLU and keep sequence-parallel inputs sharded), DeepSeek-V3 with its own precision
+(`rank_memory.BF16_DEEPSEEK`: fp32 gradients, bf16 AdamW moments, §3.3.3) and recipe besides (`step_time.Recipe`:
+FP8 blockwise GEMMs in the blocks' linears, each token's experts on at most 4 nodes) and DualPipe, here
 its V form (`dualpipev`: the same overlapped pairs, half the parameter copies). The run's other settings
 (micro-batches, virtual stages, recomputation) are left to the search, as `--explain` leaves them: the fastest
 variant that fits. The 16,384-GPU run is held a second time with this trainer's kernels (`rank_memory.BF16_MIXED`),
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
-from minidist.plan.rank_memory import BF16_MEGATRON, BF16_MIXED, Precision
+from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, BF16_MIXED, Precision
 from minidist.plan.search import Candidate, Plan, describe_layout, rank_of, search
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
 
@@ -74,7 +75,8 @@ def published_runs() -> list[PublishedRun]:
                      "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZB_SCHEDULES),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
-                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8="blockwise", max_nodes=4)),
+                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8="blockwise", max_nodes=4),
+                     precision=BF16_DEEPSEEK),
     ]
 
 

@@ -77,7 +77,18 @@ BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
 # linears that keep their input sharded and all-gather it again in the backward
 # (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
 BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True)
-PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON}  # the planner's --kernels
+# DeepSeek-V3's stack (DeepSeek-AI 2024, §3.3.3): the AdamW moments in BF16, the master weights and the gradients
+# (accumulated over the micro-batches) kept in FP32: 4 + 2 + 2 bytes of optimizer state, 4 of gradient; Megatron-LM's
+# kernels' activations otherwise (its FP8-cached activations and partial recomputation, §3.3.2, not modelled).
+BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True)
+PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # the planner's --kernels
+
+
+def precision_words(precision: Precision) -> str:
+    """The bytes per parameter a precision keeps, in words (the planner's report)."""
+    names = {2: "bf16", 4: "fp32"}
+    return (f"{names.get(precision.param, precision.param)} weights, {names.get(precision.grad, precision.grad)} "
+            f"gradients, {precision.optimizer} bytes per parameter of master copy and AdamW moments")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,14 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
-from minidist.plan.rank_memory import BF16_MIXED, PRECISIONS, MemoryEstimate, Precision, estimate_memory
+from minidist.plan.rank_memory import (
+    BF16_MIXED,
+    PRECISIONS,
+    MemoryEstimate,
+    Precision,
+    estimate_memory,
+    precision_words,
+)
 from minidist.plan.step_time import (
     DEFAULT_EFFICIENCY,
     DEFAULT_RECIPE,
@@ -295,8 +302,8 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
              f"({efficiency_source(cluster)}); links: "
-             f"{cluster.intra.name} inside a node, {cluster.inter.name} across; bf16 weights and gradients, fp32 "
-             "master and AdamW moments" + ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
+             f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
+             ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
                                            else "") + recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
@@ -356,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "bf16's, at the bf16 efficiency; DeepSeek-V3 trained blockwise); default none")
     parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
                         help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
-                             "keep their gathered input) or Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
-                             "gathered again backward); default trainer")
+                             "keep their gathered input), Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
+                             "gathered again backward), or DeepSeek-V3's stack (Megatron's activations, fp32 "
+                             "gradients, bf16 AdamW moments); default trainer")
     parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
                         help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
                              "(the network carries min(top_k, M) rows per token); default 0, unlimited")
