@@ -182,6 +182,25 @@ def test_prepare_reads_a_single_file_up_to_max_bytes(tmp_path):
     assert m["splits"]["val"]["tokens"] == 2_000 + 1
 
 
+def test_a_file_name_that_is_not_utf8_is_prepared(tmp_path):
+    """A document's name only places it in a split (a hash of its bytes): a name that is not UTF-8 (bytes a Linux
+    file system allows) is prepared like any other, and a UTF-8 name hashes as its UTF-8 bytes (the split of
+    every earlier dataset unchanged)."""
+    from minidist.data.documents import _path_hash
+
+    src = tmp_path / "src"
+    src.mkdir()
+    try:
+        (src / os.fsdecode(b"latin1-\xe9.txt")).write_bytes(b"some text\n" * 100)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses a name that is not UTF-8")
+    (src / "plain.txt").write_bytes(b"other text\n" * 100)
+    m = prepare.prepare(str(src), "bytes", tmp_path / "ds", val_fraction=0.5, progress=False)
+    assert sum(split["documents"]["count"] for split in m["splits"].values()) == 2
+    name = "caf\u00e9/x.txt"
+    assert _path_hash(name) == int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # a dataset read as untrusted input
 

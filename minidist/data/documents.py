@@ -52,7 +52,7 @@ def _skip_stdlib_dir(name: str) -> bool:
 
 def _path_hash(name: str) -> int:
     # A stable hash (Python's hash() is salted per process).
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(os.fsencode(name), digest_size=8).digest(), "big")  # any file name
 
 
 def _val_file_indices(names: Sequence[str], sizes: Sequence[int], val_fraction: float) -> set[int]:
