@@ -78,21 +78,36 @@ def dense_attention_pairs(rows: int, seq_len: int) -> int:
 class Documents:
     """What attention needs to keep documents apart in one forward: the ids [B, T] of the whole sequence in order
     (under context parallelism every rank holds all of them: the tiny int tensor is cut from the micro-batch, and a
-    rank's keys are indexed by their global positions), and on CUDA the flex `BlockMask` built once per forward."""
+    rank's keys are indexed by their global positions), and on CUDA the flex `BlockMask`s, each built on first use
+    and shared by every block of the forward (`flex_mask`, `gathered_mask`)."""
 
     ids: torch.Tensor
-    block_mask: object | None = None
+    block_mask: object | None = None  # the whole sequence's (`flex_mask`)
+    gathered: object | None = None  # this cp rank's queries against the all-gathered keys (`gathered_mask`)
 
     @classmethod
     def build(cls, ids: torch.Tensor) -> Documents:
         if ids.dim() != 2:
             raise ValueError(f"document ids must be [batch, seq], got shape {tuple(ids.shape)}")
-        if ids.device.type != "cuda":
-            return cls(ids)
-        from torch.nn.attention.flex_attention import create_block_mask
+        return cls(ids)
 
-        b, t = ids.shape  # _compile: the tiles are decided block by block, never from a dense [B, T, T] grid
-        return cls(ids, create_block_mask(document_mask_mod(ids), b, None, t, t, device=ids.device, _compile=True))
+    def flex_mask(self) -> object | None:
+        """The whole sequence's BlockMask on CUDA, built by the first block that asks (ring and all-gather context
+        parallelism never do: they mask their share themselves); None off CUDA unless one was given."""
+        if self.block_mask is None and self.ids.device.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            b, t = self.ids.shape  # _compile: the tiles are decided block by block, never from a dense [B, T, T] grid
+            self.block_mask = create_block_mask(document_mask_mod(self.ids), b, None, t, t, device=self.ids.device,
+                                                _compile=True)
+        return self.block_mask
+
+    def gathered_mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> object:
+        """The BlockMask of queries and keys at these global positions (`gathered_document_attention`), built once
+        per forward: a cp rank's positions are the same in every block."""
+        if self.gathered is None:
+            self.gathered = gathered_block_mask(self.ids, q_index, k_index)
+        return self.gathered
 
 
 def _flex(device_type: str) -> Callable[..., torch.Tensor]:
@@ -109,19 +124,25 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
+def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | Documents,
                                 q_index: torch.Tensor, k_index: torch.Tensor, scale: float | None = None
                                 ) -> torch.Tensor:
     """Queries and keys at any global positions of the sequence whose ids [B, T] are given (`q_index` [Tq],
     `k_index` [Tk]: context parallelism's zig-zag queries against the all-gathered keys in shard order), through
     flex attention with the BlockMask of (key <= query by global position, and one document). The chunks are runs
     of consecutive positions, so the tiles stay whole or empty as in one sequence. Autograd is flex's own."""
+    mask = ids.gathered_mask(q_index, k_index) if isinstance(ids, Documents) else \
+        gathered_block_mask(ids, q_index, k_index)
+    return _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def gathered_block_mask(ids: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor) -> object:
+    """The BlockMask of (key <= query by global position, and one document) for queries and keys at the given
+    global positions of the sequence whose ids [B, T] are given (compiled on CUDA, eager on the CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    cuda = q.device.type == "cuda"
-    block_mask = create_block_mask(document_mask_mod(ids, q_index, k_index), ids.shape[0], None, len(q_index),
-                                   len(k_index), device=q.device, _compile=cuda)
-    return _flex(q.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return create_block_mask(document_mask_mod(ids, q_index, k_index), ids.shape[0], None, len(q_index),
+                             len(k_index), device=ids.device, _compile=ids.device.type == "cuda")
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
@@ -129,6 +150,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`):
     flex attention where `docs` holds a BlockMask (CUDA), else SDPA with the dense bool mask."""
     gqa = q.shape[1] != k.shape[1]
-    if docs.block_mask is not None:
-        return _flex(q.device.type)(q, k, v, block_mask=docs.block_mask, scale=scale, enable_gqa=gqa)
+    mask = docs.flex_mask()
+    if mask is not None:
+        return _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.ids), scale=scale, enable_gqa=gqa)

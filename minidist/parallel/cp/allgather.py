@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from minidist.comm.communicator import Comm
-from minidist.model.documents import gathered_document_attention
+from minidist.model.documents import Documents, gathered_document_attention
 from minidist.parallel.cp.blockwise import Work, blockwise_attention
 from minidist.parallel.cp.sharding import shard_all, shard_spans
 
@@ -39,12 +39,12 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
-                        scale: float | None = None, work: Work | None = None, docs: torch.Tensor | None = None,
-                        flex: bool | None = None) -> torch.Tensor:
+                        scale: float | None = None, work: Work | None = None,
+                        docs: torch.Tensor | Documents | None = None, flex: bool | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries to the all-gathered keys and values; shapes and `docs` as
     `ring_attention`. With documents on CUDA (`flex` None) or `flex=True`, the whole gathered block runs flex
     attention with a BlockMask (`gathered_document_attention`: no dense mask, FlashAttention-like tiles), else the
-    blockwise kernel."""
+    blockwise kernel. `docs` as `Documents` (the model's): the BlockMask built once per forward, not per block."""
     cp = comm.size
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
@@ -53,4 +53,5 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm:
         return gathered_document_attention(q, k_all, v_all, docs, positions[comm.rank], positions.flatten(), scale)
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
     q_spans = shard_spans(seq_len, comm.rank, cp, layout)
-    return blockwise_attention(q, k_all, v_all, scale, q_spans=q_spans, k_spans=key_spans, work=work, docs=docs)
+    ids = docs.ids if isinstance(docs, Documents) else docs
+    return blockwise_attention(q, k_all, v_all, scale, q_spans=q_spans, k_spans=key_spans, work=work, docs=ids)

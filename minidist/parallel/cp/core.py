@@ -102,7 +102,7 @@ class ContextParallelAttention(nn.Module):
         if self.impl == "ring":
             return ring_attention(q, k, v, self.comm, self.layout, scale, self.work, ids)
         if self.impl == "allgather":
-            return allgather_attention(q, k, v, self.comm, self.layout, scale, self.work, ids)
+            return allgather_attention(q, k, v, self.comm, self.layout, scale, self.work, docs)
         return ulysses_attention(q, k, v, self.comm, self.layout, scale, docs)
 
 
