@@ -177,10 +177,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_latest(root: Path, step: int) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    tmp.unlink(missing_ok=True)  # a link left there is removed, not written through
-    _write_durably(tmp, (step_dir_name(step) + "\n").encode())
-    os.replace(tmp, root / LATEST)  # replaces a link at `latest` itself
+    # a fresh temporary file and a rename: a link at `latest` is replaced, not written through
+    out_files.replace_file(root / LATEST, (step_dir_name(step) + "\n").encode(), sync=True)
     _fsync_dir(root)
 
 
