@@ -18,6 +18,7 @@ the links of its usual node, and the name CUDA reports for it. `CHIPS` is the on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,17 +98,21 @@ MATMUL_EFFICIENCY: dict[str, float] = {"A100": 267.9 / 312, "H100-SXM": 792.1 / 
 
 # FP8 GEMMs with DeepSeek-V3's fine-grained scaling (1x128 tiles of activations, 128x128 blocks of weights) measured
 # at DeepSeek-V3's own shapes on H800 (NVCC 12.8): Zhao et al., DeepGEMM (github.com/deepseek-ai/DeepGEMM, README,
-# "Performance", February 2025), a GEMM benchmark, not a training run. The rows with a training-sized M, as
-# (groups, rows per group, N, K, TFLOP/s): one MoE block's linears for a micro-batch of 4,096 tokens: the dense ones
-# (the latent down-projections, the query and key/value up-projections, the output projection, the shared
-# expert's two) and the routed experts' as EP 64 groups them (4 experts per rank, 8,192 rows each: gate and up,
-# then down). Their FLOPs over their seconds is the rate of such a block's FP8 linears: 1,185 TFLOP/s, 60% of the
-# 1,979 peak, where twice the best bf16 matmul would say 1,584 (fine-grained scaling's promotions cost the rest).
+# "Performance", February 2025), a GEMM benchmark, not a training run. Its rows with a training-sized M (a
+# micro-batch of 4,096 tokens), as (groups, rows per group, N, K, TFLOP/s): a block's dense linears (the latent
+# down-projections, the query and key/value up-projections, the output projection, the shared expert's two).
+# Their FLOPs over their summed seconds: 1,132 TFLOP/s, 57% of the 1,979 peak, where twice the best bf16 matmul
+# would say 1,584 (fine-grained scaling's promotions cost the rest).
 DEEPGEMM_SOURCE = "DeepGEMM's FP8 GEMMs at DeepSeek-V3's shapes on H800 (github.com/deepseek-ai/DeepGEMM, README, 2025)"
-DEEPGEMM_BLOCK: tuple[tuple[int, int, int, int, float], ...] = (
+DEEPGEMM_DENSE: tuple[tuple[int, int, int, int, float], ...] = (
     (1, 4096, 2112, 7168, 1058), (1, 4096, 24576, 1536, 990), (1, 4096, 32768, 512, 590),
-    (1, 4096, 7168, 16384, 1358), (1, 4096, 4096, 7168, 1304), (1, 4096, 7168, 2048, 1025),
-    (4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099))
+    (1, 4096, 7168, 16384, 1358), (1, 4096, 4096, 7168, 1304), (1, 4096, 7168, 2048, 1025))
+# The routed experts' grouped GEMMs by rows per expert (the same README: the contiguous layout at 8,192 and 4,096
+# rows, the masked one below), as (rows, TFLOP/s of gate and up: N 4,096, K 7,168; of down: N 7,168, K 2,048). A
+# micro-batch of 4,096 tokens gives each expert 8,192 rows at EP 64, 1,024 at EP 8: smaller GEMMs, slower ones.
+DEEPGEMM_EXPERTS: tuple[tuple[int, float, float], ...] = (
+    (256, 932, 815), (512, 1040, 916), (1024, 1233, 925), (4096, 1288, 1093), (8192, 1297, 1099))
+FP8_BLOCKWISE_CHIPS = ("H800", "H100-SXM")  # DeepGEMM's figures hold for: the same compute die and clocks (above)
 
 
 def gemm_rate(rows: tuple[tuple[int, int, int, int, float], ...]) -> float:
@@ -116,8 +121,18 @@ def gemm_rate(rows: tuple[tuple[int, int, int, int, float], ...]) -> float:
     return sum(flops) / sum(f / (tflops * 1e12) for f, (*_, tflops) in zip(flops, rows))
 
 
-# The chips DeepGEMM's figures hold for: the H800 and the H100 SXM (the same compute die and clocks, as above).
-FP8_BLOCKWISE_RATE: dict[str, float] = {name: gemm_rate(DEEPGEMM_BLOCK) for name in ("H800", "H100-SXM")}
+def expert_gemm_rate(rows_per_expert: float) -> float:
+    """FLOP/s of DeepSeek-V3's routed experts' FP8 GEMMs with `rows_per_expert` rows each: gate and up (twice the
+    down projection's FLOPs) then down, each interpolated in log2(rows) between `DEEPGEMM_EXPERTS`' rows (the
+    ends held beyond them)."""
+    table = DEEPGEMM_EXPERTS
+    x = min(max(math.log2(max(rows_per_expert, 1.0)), math.log2(table[0][0])), math.log2(table[-1][0]))
+    hi = next(i for i, row in enumerate(table) if math.log2(row[0]) >= x)
+    lo = max(hi - 1, 0)
+    span = math.log2(table[hi][0]) - math.log2(table[lo][0])
+    w = (x - math.log2(table[lo][0])) / span if span else 0.0
+    up, down = ((1 - w) * table[lo][j] + w * table[hi][j] for j in (1, 2))
+    return 3e12 / (2 / up + 1 / down)
 
 
 # Vendors print the sparse peak, twice the dense one. HBM is sized in binary units (an "80GB" H100 reports 81,559

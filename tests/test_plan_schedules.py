@@ -182,24 +182,35 @@ def test_recipe_flags_on_the_command_line(capsys):
     assert err.count("\n") == 1 and "--max-nodes must be >= 0" in err
 
 
-def test_fp8_blockwise_runs_at_deepgemms_measured_rate():
-    """Blockwise FP8 on H800/H100: the FLOPs of DeepGEMM's measured GEMMs (a DeepSeek-V3 block, 4,096 tokens, EP 64)
-    over their summed seconds, inside the table's range and below twice the bf16 matmul rate; the other recipes
-    (and other chips) at twice bf16's."""
-    from minidist.hardware import DEEPGEMM_BLOCK, gemm_rate
+def test_fp8_blockwise_runs_at_deepgemms_measured_rates():
+    """Blockwise FP8 on H800/H100: the dense linears at the FLOPs of DeepGEMM's measured GEMMs (a DeepSeek-V3 block,
+    4,096 tokens) over their summed seconds, below twice the bf16 matmul rate; the routed experts by rows per expert
+    (the table's rates at its rows, in between at rows between them, slower with fewer rows); the other recipes and
+    other chips at twice bf16's. A layout's compute follows: EP 8 gives an expert 1,024 rows, EP 64 8,192."""
+    from minidist.hardware import DEEPGEMM_DENSE, DEEPGEMM_EXPERTS, expert_gemm_rate, gemm_rate
     from minidist.plan.step_time import cluster_for_chip, fp8_rate
 
     assert gemm_rate(((1, 64, 64, 64, 500.0),)) == pytest.approx(500e12)
     two = ((1, 64, 64, 64, 500.0), (2, 32, 64, 64, 1000.0))  # equal FLOPs: the harmonic mean
     assert gemm_rate(two) == pytest.approx(2 / (1 / 500 + 1 / 1000) * 1e12)
-    rates = [tflops * 1e12 for *_, tflops in DEEPGEMM_BLOCK]
+    for rows, up, down in DEEPGEMM_EXPERTS:  # gate and up hold twice the down projection's FLOPs
+        assert expert_gemm_rate(rows) == pytest.approx(3e12 / (2 / up + 1 / down))
+    assert expert_gemm_rate(64) == expert_gemm_rate(256) < expert_gemm_rate(700) < expert_gemm_rate(1024)
+    assert expert_gemm_rate(8192) == expert_gemm_rate(10**6)
+    dense = [tflops * 1e12 for *_, tflops in DEEPGEMM_DENSE]
     for name in ("H800", "H100-SXM"):
         cluster = cluster_for_chip(name, efficiency=None)
         bf16_twice = 2 * cluster.peak_flops * cluster.efficiency
-        assert min(rates) < fp8_rate(cluster, "blockwise") < min(max(rates), bf16_twice)
-        assert fp8_rate(cluster, "rowwise") == pytest.approx(bf16_twice)
+        assert min(dense) < fp8_rate(cluster, "blockwise") < min(max(dense), bf16_twice)
+        assert fp8_rate(cluster, "blockwise", 1024) == expert_gemm_rate(1024)
+        assert fp8_rate(cluster, "rowwise") == fp8_rate(cluster, "rowwise", 1024) == pytest.approx(bf16_twice)
     a100 = cluster_for_chip("A100", efficiency=None)
     assert fp8_rate(a100, "blockwise") == pytest.approx(2 * a100.peak_flops * a100.efficiency)
+    v3, h800 = get_preset("deepseek-v3"), cluster_for_chip("H800", efficiency=None)
+    recipe = Recipe(fp8="blockwise")
+    times = {ep: predict_step(v3, Layout.of(dp=128, pp=16, ep=ep, schedule="dualpipev", microbatches=120), 4096,
+                              15360, h800, BF16_MEGATRON, recipe=recipe).compute for ep in (8, 64)}
+    assert times[8] > times[64]  # the same FLOPs in smaller grouped GEMMs
 
 
 def test_deepseek_precision_keeps_fp32_gradients_and_bf16_moments():

@@ -18,9 +18,9 @@ from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, TokenFlops, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
-LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at one rate, "
-            "DeepGEMM's for a DeepSeek-V3 block at EP 64, the other recipes at the bf16 efficiency of the FP8 peak; "
-            "FP8's quantization not charged)",
+LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at DeepGEMM's "
+            "rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the bf16 "
+            "efficiency of the FP8 peak; FP8's quantization not charged)",
             "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
             "hide in its overlapped pairs)",
             "the routing's imbalance (node-limited routing's two hops are modelled, overlapped as DeepSeek-V3 runs "

@@ -43,12 +43,15 @@ from dataclasses import dataclass
 
 from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
 from minidist.hardware import (
+    DEEPGEMM_DENSE,
     DEEPGEMM_SOURCE,
-    FP8_BLOCKWISE_RATE,
+    FP8_BLOCKWISE_CHIPS,
     MAMF_SOURCE,
     Link,
     chip,
     collective_time,
+    expert_gemm_rate,
+    gemm_rate,
     link_of,
     node_chips,
     peak_flops,
@@ -146,6 +149,7 @@ class RankFlops:
     total: float
     attention: float
     linears: float
+    experts: float = 0.0  # the routed experts' share of `linears` (grouped GEMMs, their rate by rows per expert)
 
 
 def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
@@ -166,33 +170,46 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
     split = (total - moe) / dims.tp + moe
     tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
     linears = split - f.head / dims.tp - attention / dims.tp
-    return RankFlops(split * tokens, attention / dims.tp * tokens, linears * tokens)
+    return RankFlops(split * tokens, attention / dims.tp * tokens, linears * tokens, moe * _routed_share(cfg) * tokens)
 
 
-def fp8_rate(cluster: Cluster, fp8: str) -> float:
-    """FLOP/s of the blocks' FP8 linears: blockwise scaling at DeepGEMM's measured rate where it was measured
-    (`hardware.FP8_BLOCKWISE_RATE`: H800, H100 SXM), else the FP8 peak (twice bf16's on Hopper) at the bf16
+def _routed_share(cfg: ModelConfig) -> float:
+    """The routed experts' part of an MoE layer's FLOPs per token (the rest: the router, the shared experts)."""
+    if not cfg.moe.n_experts:
+        return 0.0
+    return 3 * cfg.d_model * (cfg.moe.d_expert or cfg.d_ff) * cfg.moe.top_k / _moe_mlp(cfg, active_only=True)
+
+
+def fp8_rate(cluster: Cluster, fp8: str, rows_per_expert: float | None = None) -> float:
+    """FLOP/s of the blocks' FP8 linears (the routed experts' with `rows_per_expert` rows each): blockwise scaling
+    at DeepGEMM's measured rates where they were measured (`hardware.FP8_BLOCKWISE_CHIPS`: the dense linears'
+    `DEEPGEMM_DENSE`, the experts' `expert_gemm_rate`), else the FP8 peak (twice bf16's on Hopper) at the bf16
     matmul efficiency."""
-    measured = FP8_BLOCKWISE_RATE.get(cluster.name) if fp8 == "blockwise" else None
-    return measured or cluster.peak_flops * cluster.efficiency * FP8_SPEEDUP
+    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS:
+        return gemm_rate(DEEPGEMM_DENSE) if rows_per_expert is None else expert_gemm_rate(rows_per_expert)
+    return cluster.peak_flops * cluster.efficiency * FP8_SPEEDUP
 
 
 def fp8_source(cluster: Cluster, fp8: str) -> str:
     """Where `fp8_rate` comes from, in words."""
-    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_RATE:
-        return f"{fp8_rate(cluster, fp8) / 1e12:,.0f} TFLOP/s, {DEEPGEMM_SOURCE}"
+    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS:
+        return (f"dense linears {fp8_rate(cluster, fp8) / 1e12:,.0f} TFLOP/s, routed experts by rows per expert "
+                f"({fp8_rate(cluster, fp8, 1024) / 1e12:,.0f} at 1,024, {fp8_rate(cluster, fp8, 8192) / 1e12:,.0f} "
+                f"at 8,192): {DEEPGEMM_SOURCE}")
     return "the FP8 peak at the bf16 matmul efficiency"
 
 
-def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "") -> float:
+def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0) -> float:
     """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak; under FP8 (`fp8` a
-    recipe's name) the blocks' linears at `fp8_rate`. The FP8 recipe's quantization (casts and scales, element-wise
-    passes over the linears' inputs and gradients) is not charged: fused into the GEMMs' neighbours in
-    DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
+    recipe's name) the blocks' linears at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The
+    FP8 recipe's quantization (casts and scales, element-wise passes over the linears' inputs and gradients) is not
+    charged: fused into the GEMMs' neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these
+    sizes."""
     rate = cluster.peak_flops * cluster.efficiency
     if not fp8:
         return flops.total / rate
-    return (flops.total - flops.linears) / rate + flops.linears / fp8_rate(cluster, fp8)
+    experts = flops.experts / fp8_rate(cluster, fp8, rows_per_expert) if flops.experts else 0.0
+    return (flops.total - flops.linears) / rate + (flops.linears - flops.experts) / fp8_rate(cluster, fp8) + experts
 
 
 @dataclass(frozen=True)
@@ -230,12 +247,14 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     """Every term of `predict_step` but the replica groups' (dp 0)."""
     rate = cluster.peak_flops * cluster.efficiency
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
-    compute = compute_seconds(flops, cluster, recipe.fp8)
     dims, o = layout.dims, layout.options
     m, p = o.microbatches, precision.activation
     v = chunks_per_rank(o.schedule, o.virtual_stages)
     b = global_batch // (dims.dp * m)  # sequences per micro-batch
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
+    # each expert gets its share of the top-k rows of the ep ranks' tokens (balanced routing)
+    rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
+    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
     n_layers = dense_layers + moe_layers
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
