@@ -28,13 +28,13 @@ from minidist.plan.rank_memory import (
     rank_params,
     stage_kinds,
 )
-from minidist.plan.search import search
+from minidist.plan.search import main, search
 from minidist.plan.step_time import Cluster, Recipe, expert_all_to_all, predict_step
 
 
 def _cluster(gpus_per_node: int = 8) -> Cluster:
     fast, slow = Link("fast", 4e11, 1e-6), Link("slow", 5e10, 5e-6)
-    return Cluster("toy", 1e15, 80 * 2**30, gpus_per_node, fast, slow, 0.8)
+    return Cluster("toy", 1e15, 80 * 2**30, gpus_per_node, fast, slow, 0.8, fp8_peak_flops=2e15)
 
 
 def test_v_placement_puts_the_embedding_and_the_head_on_stage_0():
@@ -186,7 +186,8 @@ def test_fp8_blockwise_runs_at_deepgemms_measured_rates():
     """Blockwise FP8 on H800/H100: the dense linears at the FLOPs of DeepGEMM's measured GEMMs (a DeepSeek-V3 block,
     4,096 tokens) over their summed seconds, below twice the bf16 matmul rate; the routed experts by rows per expert
     (the table's rates at its rows, in between at rows between them, slower with fewer rows); the other recipes and
-    other chips at twice bf16's. A layout's compute follows: EP 8 gives an expert 1,024 rows, EP 64 8,192."""
+    other chips at their FP8 peak (twice bf16's) at the bf16 efficiency; a chip without FP8 refused. A layout's
+    compute follows: EP 8 gives an expert 1,024 rows, EP 64 8,192."""
     from minidist.hardware import DEEPGEMM_DENSE, DEEPGEMM_EXPERTS, expert_gemm_rate, gemm_rate
     from minidist.plan.step_time import cluster_for_chip, fp8_rate
 
@@ -200,12 +201,16 @@ def test_fp8_blockwise_runs_at_deepgemms_measured_rates():
     dense = [tflops * 1e12 for *_, tflops in DEEPGEMM_DENSE]
     for name in ("H800", "H100-SXM"):
         cluster = cluster_for_chip(name, efficiency=None)
-        bf16_twice = 2 * cluster.peak_flops * cluster.efficiency
-        assert min(dense) < fp8_rate(cluster, "blockwise") < min(max(dense), bf16_twice)
+        peak_rate = cluster.fp8_peak_flops * cluster.efficiency  # the FP8 peak (twice bf16's) at bf16's efficiency
+        assert cluster.fp8_peak_flops == pytest.approx(2 * cluster.peak_flops, rel=1e-3)
+        assert min(dense) < fp8_rate(cluster, "blockwise") < min(max(dense), peak_rate)
         assert fp8_rate(cluster, "blockwise", 1024) == expert_gemm_rate(1024)
-        assert fp8_rate(cluster, "rowwise") == fp8_rate(cluster, "rowwise", 1024) == pytest.approx(bf16_twice)
-    a100 = cluster_for_chip("A100", efficiency=None)
-    assert fp8_rate(a100, "blockwise") == pytest.approx(2 * a100.peak_flops * a100.efficiency)
+        assert fp8_rate(cluster, "rowwise") == fp8_rate(cluster, "rowwise", 1024) == peak_rate
+    h200 = cluster_for_chip("H200-SXM", efficiency=None)  # Hopper with FP8, not among DeepGEMM's measured chips
+    assert fp8_rate(h200, "blockwise") == pytest.approx(h200.fp8_peak_flops * h200.efficiency)
+    with pytest.raises(ValueError, match="A100 has no FP8 peak on record"):
+        fp8_rate(cluster_for_chip("A100", efficiency=None), "rowwise")
+    assert main(["--gpu", "A100", "--fp8", "rowwise"]) == 2  # refused in one line, before the search
     v3, h800 = get_preset("deepseek-v3"), cluster_for_chip("H800", efficiency=None)
     recipe = Recipe(fp8="blockwise")
     times = {ep: predict_step(v3, Layout.of(dp=128, pp=16, ep=ep, schedule="dualpipev", microbatches=120), 4096,

@@ -59,6 +59,7 @@ from minidist.plan.step_time import (
     StepTime,
     cluster_for_chip,
     efficiency_source,
+    fp8_rate,
     fp8_source,
     predict_step,
     token_flops,
@@ -411,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = parse_tokens(args.global_batch_tokens)
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
         settings = parse_settings(args.explain) if args.explain is not None else None
+        if args.fp8 != "none":
+            fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search
         plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
                       Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes))
         if settings is not None:

@@ -63,7 +63,6 @@ from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
-FP8_SPEEDUP = 2.0  # the FP8 dense peak over the bf16 one on Hopper (`hardware.CHIPS`: 1979 vs 989 TFLOP/s)
 DEFAULT_EFFICIENCY = 0.5  # fraction of the dense peak a large training matmul reaches (MFU ~40% once comm is in)
 
 
@@ -79,6 +78,7 @@ class Cluster:
     inter: Link
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
+    fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
 
     @property
     def budget(self) -> float:
@@ -94,7 +94,8 @@ def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None
     record = chip(name)
     if efficiency is None:
         efficiency = record.matmul_efficiency or DEFAULT_EFFICIENCY
-    return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency)
+    return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency,
+                   fp8_peak_flops=record.dense_peak.get("fp8", 0.0))
 
 
 def efficiency_source(cluster: Cluster) -> str:
@@ -184,10 +185,13 @@ def fp8_rate(cluster: Cluster, fp8: str, rows_per_expert: float | None = None) -
     """FLOP/s of the blocks' FP8 linears (the routed experts' with `rows_per_expert` rows each): blockwise scaling
     at DeepGEMM's measured rates where they were measured (`hardware.FP8_BLOCKWISE_CHIPS`: the dense linears'
     `DEEPGEMM_DENSE`, the experts' `expert_gemm_rate`), else the FP8 peak (twice bf16's on Hopper) at the bf16
-    matmul efficiency."""
+    matmul efficiency. A chip without an FP8 peak on record is a one-line ValueError."""
+    if not cluster.fp8_peak_flops:
+        raise ValueError(f"--fp8 {fp8}: {cluster.name} has no FP8 peak on record (no FP8 tensor cores); choose one of "
+                         f"{[name for name in node_chips() if 'fp8' in chip(name).dense_peak]}")
     if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS:
         return gemm_rate(DEEPGEMM_DENSE) if rows_per_expert is None else expert_gemm_rate(rows_per_expert)
-    return cluster.peak_flops * cluster.efficiency * FP8_SPEEDUP
+    return cluster.fp8_peak_flops * cluster.efficiency
 
 
 def fp8_source(cluster: Cluster, fp8: str) -> str:
@@ -196,7 +200,7 @@ def fp8_source(cluster: Cluster, fp8: str) -> str:
         return (f"dense linears {fp8_rate(cluster, fp8) / 1e12:,.0f} TFLOP/s, routed experts by rows per expert "
                 f"({fp8_rate(cluster, fp8, 1024) / 1e12:,.0f} at 1,024, {fp8_rate(cluster, fp8, 8192) / 1e12:,.0f} "
                 f"at 8,192): {DEEPGEMM_SOURCE}")
-    return "the FP8 peak at the bf16 matmul efficiency"
+    return f"the {cluster.fp8_peak_flops / 1e12:,.0f} TFLOP/s FP8 peak at the bf16 matmul efficiency"
 
 
 def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0) -> float:
