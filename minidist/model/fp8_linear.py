@@ -113,7 +113,11 @@ def scaled_matmul(a: Quantized, b: Quantized) -> torch.Tensor:
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """Y = X Wᵀ for 2-D X (M, K) and W (N, K); each of the three GEMMs quantizes its own operands."""
+    """Y = X Wᵀ for 2-D X (M, K) and W (N, K); each of the three GEMMs quantizes its own operands. A zero-bubble
+    pipeline's split backward (`split_backward.backward_input` / `backward_weight`) tells the node which half it
+    runs (`split_phase`): B computes dX only, W dW only, so the split costs the fused backward's two GEMMs."""
+
+    splits_by_phase = True  # read by split_backward: it sets `split_phase` on this node's context
 
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, tp: TpScales | None):
@@ -127,12 +131,13 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         recipe, tp = ctx.recipe, ctx.tp
+        phase = getattr(ctx, "split_phase", None)  # "input" (B), "weight" (W) or None (a fused backward: both)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # dX = dY W: contraction over N
+        if ctx.needs_input_grad[0] and phase != "weight":  # dX = dY W: contraction over N
             gq = quantize_operand(grad, "grad", ("M", "N"), recipe, tp)
             wq = quantize_operand(weight.t(), "weight", ("K", "N"), recipe, tp)
             grad_x = scaled_matmul(gq, wq).to(x.dtype)
-        if ctx.needs_input_grad[1]:  # dW = dYᵀ X: contraction over the tokens
+        if ctx.needs_input_grad[1] and phase != "input":  # dW = dYᵀ X: contraction over the tokens
             gq = quantize_operand(grad.t(), "grad", ("N", "M"), recipe, tp)
             xq = quantize_operand(x.t(), "input", ("K", "M"), recipe, tp)
             grad_w = scaled_matmul(gq, xq).to(weight.dtype)

@@ -17,6 +17,10 @@ two products are independent, so the previous stage can get dx (B) at once while
   (this time for their weight outputs) and the nodes between them and the weights. Nothing on the input's path is
   recomputed; the sum of B and W is the fused backward, node for node, so gradients agree bit for bit.
 
+A custom autograd function computes all its input gradients whenever it runs (its `needs_input_grad` is fixed at
+forward), so a frontier node of one would do B's and W's work twice. One that declares `splits_by_phase` (the FP8
+linear) is told which half it runs: B and W set `split_phase` ("input", "weight") on its node, which is its context.
+
 W accumulates through `torch.autograd.backward(..., inputs=weights)`, so the weights' accumulate-grad hooks fire as
 in a fused backward (data parallelism's bucketed reductions start from them). The graph, and every tensor it saved,
 stays alive until W (`retain_graph`): the pipeline's activation accounting releases a micro-batch at its W.
@@ -144,6 +148,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return hook
 
     handles = [node.register_prehook(record(node)) for node in hooked]
+    _set_phase(hooked, "input")
     try:
         on_path = [(o, g) for o, g in zip(outputs, grads) if grad_node(o) in input_path]
         if inputs and on_path:
@@ -154,7 +159,15 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     finally:
         for handle in handles:
             handle.remove()
+        _set_phase(hooked, "weight")  # the next run of these nodes is W's
     return dinputs, WeightWork(groups, received, given)
+
+
+def _set_phase(nodes: set[Node], phase: str | None) -> None:
+    """Tell the custom nodes that split their own gradients (`splits_by_phase`) which half of the backward runs."""
+    for node in nodes:
+        if getattr(getattr(node, "_forward_cls", None), "splits_by_phase", False):
+            node.split_phase = phase
 
 
 def backward_weight(work: WeightWork,
@@ -187,6 +200,7 @@ def backward_weight(work: WeightWork,
         finally:
             for handle in handles:
                 handle.remove()
+    _set_phase({node for group in work.groups for node in group.frontier}, None)
     work.groups, work.received, work.given = [], {}, {}  # let the graph and its saved tensors go
 
 
