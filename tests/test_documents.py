@@ -140,3 +140,35 @@ def test_blockwise_context_parallel_kernel_keeps_documents_apart_in_fp64(rank):
         torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
     assert docs.gathered is docs.gathered_mask(torch.tensor(mine), torch.tensor(keys))  # built once
     assert docs.flex_mask() is None and docs.block_mask is None  # no whole-sequence mask off CUDA, none unasked
+
+
+def test_the_model_prepares_each_cores_mask_before_the_blocks_run():
+    """On CUDA a block may be compiled: the masks are built in the model's forward, before the blocks (each core's
+    `prepare_documents`, once per core and forward), so a block only reads them. Off CUDA nothing is built."""
+    from minidist.model.attention import CausalAttention
+
+    events = []
+
+    class Spy(CausalAttention):
+        def prepare_documents(self, docs):
+            events.append("prepare")
+            super().prepare_documents(docs)
+
+        def forward(self, q, k, v, scale=None, docs=None):
+            events.append("attend")
+            return super().forward(q, k, v, scale, docs)
+
+    model = build_model(get_preset("tiny"), seed=0)
+    for block in model.blocks:
+        block.attn.core = Spy()
+    tokens = torch.randint(0, 200, (2, 16))
+    tokens[:, 5] = EOD
+    model(tokens, docs=document_ids(tokens, EOD))
+    n = len(model.blocks)
+    assert n > 1 and events == ["prepare"] * n + ["attend"] * n
+    events.clear()
+    model(tokens, docs=document_ids(tokens, EOD), blocks=[1], embed=True)  # a pipeline stage's blocks only
+    assert events == ["prepare", "attend"]
+    docs = Documents.build(document_ids(tokens, EOD))
+    CausalAttention().prepare_documents(docs)
+    assert docs.block_mask is None  # a CPU tensor: SDPA's dense mask at attention time, no BlockMask

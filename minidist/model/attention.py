@@ -47,6 +47,11 @@ class CausalAttention(nn.Module):
             return document_attention(q, k, v, docs, scale)
         return causal_attention(q, k, v, scale)
 
+    def prepare_documents(self, docs: Documents) -> None:
+        """Build the mask this core reads (the whole sequence's, on CUDA) before the blocks, outside any compiled
+        block."""
+        docs.flex_mask()
+
 
 class GroupedQueryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:

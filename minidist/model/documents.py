@@ -78,8 +78,9 @@ def dense_attention_pairs(rows: int, seq_len: int) -> int:
 class Documents:
     """What attention needs to keep documents apart in one forward: the ids [B, T] of the whole sequence in order
     (under context parallelism every rank holds all of them: the tiny int tensor is cut from the micro-batch, and a
-    rank's keys are indexed by their global positions), and on CUDA the flex `BlockMask`s, each built on first use
-    and shared by every block of the forward (`flex_mask`, `gathered_mask`)."""
+    rank's keys are indexed by their global positions), and on CUDA the flex `BlockMask`s the attention cores ask
+    for, built once per forward and shared by every block (`flex_mask`, `gathered_mask`). The model has each core
+    prepare its mask before the blocks run (`prepare_documents`): a compiled block only reads it."""
 
     ids: torch.Tensor
     block_mask: object | None = None  # the whole sequence's (`flex_mask`)
@@ -92,8 +93,8 @@ class Documents:
         return cls(ids)
 
     def flex_mask(self) -> object | None:
-        """The whole sequence's BlockMask on CUDA, built by the first block that asks (ring and all-gather context
-        parallelism never do: they mask their share themselves); None off CUDA unless one was given."""
+        """The whole sequence's BlockMask on CUDA, built on the first call (ring and all-gather context parallelism
+        never ask: they mask their share themselves); None off CUDA unless one was given."""
         if self.block_mask is None and self.ids.device.type == "cuda":
             from torch.nn.attention.flex_attention import create_block_mask
 

@@ -97,8 +97,13 @@ class Transformer(nn.Module):
         rope = self.rotary(positions) if self.rotary is not None else None
         if docs is not None and docs.shape[0] != x.shape[0]:
             raise ValueError(f"document ids for {docs.shape[0]} rows, but the batch has {x.shape[0]}")
+        run = range(len(self.blocks)) if blocks is None else blocks
         documents = Documents.build(docs) if docs is not None else None  # one mask for every block
-        for i in range(len(self.blocks)) if blocks is None else blocks:
+        if documents is not None:  # built here, before the blocks: a compiled block only reads it
+            cores = {id(m): m for i in run for m in self.blocks[i].modules() if hasattr(m, "prepare_documents")}
+            for core in cores.values():
+                core.prepare_documents(documents)
+        for i in run:
             x = self.blocks[i](x, rope, documents)
         return self.lm_head(self.norm(x)) if head else x
 

@@ -38,6 +38,13 @@ def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _GatherSequence.apply(x, comm)
 
 
+def gathered_positions(seq_len: int, rank: int, cp: int, layout: str, device: torch.device | str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's query positions, every key's position in shard order) of a sequence all-gathered over cp."""
+    positions = shard_all(torch.arange(seq_len, device=device), cp, layout)  # [cp, T/cp]: who holds what
+    return positions[rank], positions.flatten()
+
+
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
                         scale: float | None = None, work: Work | None = None,
                         docs: torch.Tensor | Documents | None = None, flex: bool | None = None) -> torch.Tensor:
@@ -49,8 +56,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm:
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
     if docs is not None and (q.device.type == "cuda" if flex is None else flex):
-        positions = shard_all(torch.arange(seq_len, device=q.device), cp, layout)  # [cp, T/cp]: who holds what
-        return gathered_document_attention(q, k_all, v_all, docs, positions[comm.rank], positions.flatten(), scale)
+        positions = gathered_positions(seq_len, comm.rank, cp, layout, q.device)
+        return gathered_document_attention(q, k_all, v_all, docs, *positions, scale)
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
     q_spans = shard_spans(seq_len, comm.rank, cp, layout)
     ids = docs.ids if isinstance(docs, Documents) else docs

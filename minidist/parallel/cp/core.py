@@ -35,7 +35,7 @@ from minidist.model.attention import CausalAttention
 from minidist.model.config import ModelConfig
 from minidist.model.documents import Documents
 from minidist.model.moe.layer import MoELayer
-from minidist.parallel.cp.allgather import allgather_attention
+from minidist.parallel.cp.allgather import allgather_attention, gathered_positions
 from minidist.parallel.cp.blockwise import Work, in_autocast_dtype
 from minidist.parallel.cp.ring import ring_attention
 from minidist.parallel.cp.sharding import check_divisible, shard_positions, shard_sequence
@@ -92,6 +92,17 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"unknown context-parallel implementation {impl!r}; choose one of {IMPLS}")
         self.comm, self.impl, self.layout = comm, impl, layout or LAYOUT_OF[impl]
         self.work = Work()
+
+    def prepare_documents(self, docs: Documents) -> None:
+        """Build the mask this core reads, before the blocks (outside any compiled block): Ulysses attends over the
+        whole sequence (its mask); all-gather on CUDA its queries against the gathered keys; the ring masks each
+        block pair itself."""
+        if self.impl == "ulysses":
+            docs.flex_mask()
+        elif self.impl == "allgather" and docs.ids.device.type == "cuda":
+            positions = gathered_positions(docs.ids.shape[1], self.comm.rank, self.comm.size, self.layout,
+                                           docs.ids.device)
+            docs.gathered_mask(*positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                 docs: Documents | None = None) -> torch.Tensor:
