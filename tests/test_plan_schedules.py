@@ -156,13 +156,14 @@ def test_fp8_and_node_limited_routing():
 
 
 def test_node_limited_routing_overlaps_its_two_hops():
-    """DeepSeek-V3 §3.2.2: a row crosses the network once per node while the rows before it are forwarded over
-    NVLink to their experts, so the all-to-all takes its slower hop (here the network's), not the two one after
-    the other."""
+    """DeepSeek-V3 §3.2.2: a row crosses the network once per target node, to the GPU of the same index there (an
+    all-to-all among the nodes: a token's own node, when among its M, costs no network hop), while the rows before
+    it are forwarded over NVLink to their experts, so the all-to-all takes its slower hop (here the network's), not
+    the two one after the other."""
     cfg = get_preset("tiny", moe=dict(n_experts=8, top_k=4))
     lay, cluster, tokens, width = Layout.of(dp=8, ep=8), _cluster(gpus_per_node=2), 1024, 2
     rows = tokens * cfg.moe.top_k * cfg.d_model * width
-    network = collective_time("all_to_all", rows * 2 / cfg.moe.top_k, 8, link_of(cluster, 8))  # 2 of 4 nodes
+    network = collective_time("all_to_all", rows * 2 / cfg.moe.top_k, 4, link_of(cluster, 8))  # 2 of the 4 nodes
     nvlink = collective_time("all_to_all", rows, 2, link_of(cluster, 2))
     assert nvlink < network
     assert expert_all_to_all(cfg, tokens, lay, cluster, width, max_nodes=2) == pytest.approx(network)

@@ -313,7 +313,9 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
     nodes = -(-dims.tp * dims.ep // cluster.gpus_per_node)
     if nodes == 1 or not max_nodes:
         return collective_time("all_to_all", rows, dims.ep, link)
-    inter = collective_time("all_to_all", rows * min(k, max_nodes, nodes) / k, dims.ep, link)
+    # the network hop is an all-to-all among the nodes (a row goes to the GPU of the same index on each target
+    # node, §3.2.2); a token's own node, when among its M, is reached over NVLink alone
+    inter = collective_time("all_to_all", rows * min(k, max_nodes, nodes) / k, nodes, link)
     intra = collective_time("all_to_all", rows, cluster.gpus_per_node, link_of(cluster, cluster.gpus_per_node))
     return max(inter, intra)
 
