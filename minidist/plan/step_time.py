@@ -304,7 +304,8 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
     """Seconds of one all-to-all (dispatch or combine) of `tokens` tokens' top-k rows over the ep group, on the link
     the group spans. Node-limited routing (`max_nodes` > 0; DeepSeek-V3 §2.1.2 and §3.2.2: each token's experts on
     at most M nodes, a row crossing the network once per node and forwarded over NVLink to the experts there)
-    sends min(top_k, M, nodes) rows per token across the network and the top_k over NVLink inside the node; the two
+    sends min(top_k, M, nodes) rows per token across the network, to the GPU of the same index on each target node
+    (an all-to-all among the nodes), and the top_k over NVLink inside the node; the two
     hops run at once (§3.2.2: chunks forwarded over NVLink while the next cross the network, "IB and NVLink fully
     overlapped"), so the all-to-all takes the longer of the two, not their sum."""
     dims, k = layout.dims, cfg.moe.top_k
