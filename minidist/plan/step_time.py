@@ -189,14 +189,19 @@ def fp8_rate(cluster: Cluster, fp8: str, rows_per_expert: float | None = None) -
     if not cluster.fp8_peak_flops:
         raise ValueError(f"--fp8 {fp8}: {cluster.name} has no FP8 peak on record (no FP8 tensor cores); choose one of "
                          f"{[name for name in node_chips() if 'fp8' in chip(name).dense_peak]}")
-    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS:
+    if _deepgemm_measured(cluster, fp8):
         return gemm_rate(DEEPGEMM_DENSE) if rows_per_expert is None else expert_gemm_rate(rows_per_expert)
     return cluster.fp8_peak_flops * cluster.efficiency
 
 
+def _deepgemm_measured(cluster: Cluster, fp8: str) -> bool:
+    """Whether DeepGEMM measured `fp8` on `cluster`'s chip: the blockwise recipe on `FP8_BLOCKWISE_CHIPS`."""
+    return fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS
+
+
 def fp8_source(cluster: Cluster, fp8: str) -> str:
     """Where `fp8_rate` comes from, in words."""
-    if fp8 == "blockwise" and cluster.name in FP8_BLOCKWISE_CHIPS:
+    if _deepgemm_measured(cluster, fp8):
         return (f"dense linears {fp8_rate(cluster, fp8) / 1e12:,.0f} TFLOP/s, routed experts by rows per expert "
                 f"({fp8_rate(cluster, fp8, 1024) / 1e12:,.0f} at 1,024, {fp8_rate(cluster, fp8, 8192) / 1e12:,.0f} "
                 f"at 8,192): {DEEPGEMM_SOURCE}")
