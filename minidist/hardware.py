@@ -18,6 +18,7 @@ the links of its usual node, and the name CUDA reports for it. `CHIPS` is the on
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -125,13 +126,11 @@ def expert_gemm_rate(rows_per_expert: float) -> float:
     """FLOP/s of DeepSeek-V3's routed experts' FP8 GEMMs with `rows_per_expert` rows each: gate and up (twice the
     down projection's FLOPs) then down, each interpolated in log2(rows) between `DEEPGEMM_EXPERTS`' rows (the
     ends held beyond them)."""
-    table = DEEPGEMM_EXPERTS
-    x = min(max(math.log2(max(rows_per_expert, 1.0)), math.log2(table[0][0])), math.log2(table[-1][0]))
-    hi = next(i for i, row in enumerate(table) if math.log2(row[0]) >= x)
-    lo = max(hi - 1, 0)
-    span = math.log2(table[hi][0]) - math.log2(table[lo][0])
-    w = (x - math.log2(table[lo][0])) / span if span else 0.0
-    up, down = ((1 - w) * table[lo][j] + w * table[hi][j] for j in (1, 2))
+    table, logs = DEEPGEMM_EXPERTS, [math.log2(row[0]) for row in DEEPGEMM_EXPERTS]
+    x = min(max(math.log2(max(rows_per_expert, 1.0)), logs[0]), logs[-1])
+    hi = max(bisect.bisect_left(logs, x), 1)  # the first row at or above x (the second at the lower end)
+    w = (x - logs[hi - 1]) / (logs[hi] - logs[hi - 1])
+    up, down = ((1 - w) * table[hi - 1][j] + w * table[hi][j] for j in (1, 2))
     return 3e12 / (2 / up + 1 / down)
 
 
