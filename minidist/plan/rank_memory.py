@@ -85,10 +85,12 @@ PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16
 
 
 def precision_words(precision: Precision) -> str:
-    """The bytes per parameter a precision keeps, in words (the planner's report)."""
+    """The bytes per parameter a precision keeps, and whose kernels' activations when not this trainer's, in words
+    (the planner's report)."""
     names = {2: "bf16", 4: "fp32"}
     return (f"{names.get(precision.param, precision.param)} weights, {names.get(precision.grad, precision.grad)} "
-            f"gradients, {precision.optimizer} bytes per parameter of master copy and AdamW moments")
+            f"gradients, {precision.optimizer} bytes per parameter of master copy and AdamW moments" +
+            ("; Megatron-LM's kernels' activations" if precision.sp_regather else ""))
 
 
 @dataclass(frozen=True)

@@ -304,8 +304,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
              f"({efficiency_source(cluster)}); links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
-             ("; Megatron-LM's kernels' activations" if plan.precision.sp_regather
-                                           else "") + recipe_words(plan.recipe, cluster),
+             recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
              f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
