@@ -217,8 +217,8 @@ def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_
     rate = cluster.peak_flops * cluster.efficiency
     if not fp8:
         return flops.total / rate
-    experts = flops.experts / fp8_rate(cluster, fp8, rows_per_expert) if flops.experts else 0.0
-    return (flops.total - flops.linears) / rate + (flops.linears - flops.experts) / fp8_rate(cluster, fp8) + experts
+    return ((flops.total - flops.linears) / rate + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
+            + flops.experts / fp8_rate(cluster, fp8, rows_per_expert))
 
 
 @dataclass(frozen=True)
