@@ -41,6 +41,7 @@ from minidist.comm.topology import ParallelDims
 from minidist.flops import count_params
 from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
+from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
 from minidist.plan.rank_memory import (
@@ -69,7 +70,7 @@ from minidist.train.config import OneLineParser
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
 MIN_CP_TOKENS = 1024
-FP8_CHOICES = ("none", "tensorwise", "rowwise", "blockwise")  # the trainer's --fp8 recipes (model/fp8_linear.py)
+FP8_CHOICES = ("none", *FP8_RECIPES)  # the trainer's --fp8 recipes
 JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "microbatches", "virtual_stages", "recompute",
              "mem_gib", "step_s", "fits", "heaviest_stage")
 
