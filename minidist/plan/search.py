@@ -290,10 +290,13 @@ def describe_layout(lay: Layout) -> str:
 
 def recipe_words(recipe: Recipe, cluster: Cluster) -> str:
     """What the search assumed beyond the layouts, in words (empty for the defaults)."""
-    fp8 = f"the blocks' linear GEMMs in FP8, {recipe.fp8} ({fp8_source(cluster, recipe.fp8)}; quantization not charged)"
-    words = ([fp8] if recipe.fp8 else []) + \
-        ([f"each token's experts on at most {recipe.max_nodes} nodes"] if recipe.max_nodes else [])
-    return "; " + "; ".join(words) if words else ""
+    words = []
+    if recipe.fp8:
+        words.append(f"the blocks' linear GEMMs in FP8, {recipe.fp8} ({fp8_source(cluster, recipe.fp8)}; "
+                     "quantization not charged)")
+    if recipe.max_nodes:
+        words.append(f"each token's experts on at most {recipe.max_nodes} nodes")
+    return "".join(f"; {w}" for w in words)
 
 
 def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int,
