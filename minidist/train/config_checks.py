@@ -199,9 +199,10 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not path.exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
                           "a .bin/.npy file, 'stdlib', or a dataset directory (python -m minidist.data prepare)")
-    if cfg.max_bytes is not None and is_prepared(cfg.data):
-        raise ConfigError(f"--max-bytes applies to a text source; {cfg.data!r} is a prepared dataset (cap it when "
-                          "preparing it: python -m minidist.data prepare ... --max-bytes N)")
+    try:
+        training_data.check_max_bytes(cfg.data, cfg.max_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.data != "stdlib" and path.exists() and not (path.is_file() or path.is_dir()):  # would never finish reading
         raise ConfigError(f"data path {cfg.data!r} is not a regular file or a directory (a FIFO or a device?)")
 
