@@ -106,7 +106,8 @@ def write_synthetic(root: Path, gb: float) -> None:
     ends = np.arange(2**19, total, 2**19, dtype="<i8").tolist() + [total]
     index = np.asarray(ends, dtype="<i8").tobytes()
     (root / "train_docs.bin").write_bytes(index)
-    manifest = {"format": "minidist-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256, "eod_id": 0x1C,
+    manifest = {"format": prepare.FORMAT, "version": prepare.VERSION, "dtype": "uint16", "vocab_size": tok.vocab_size,
+                "eod_id": tok.eod_id,
                 "tokenizer": {"file": "tokenizer.json", "spec": "bytes",
                               "sha256": hashlib.sha256(tok.json.encode()).hexdigest()},
                 "source": "synthetic", "splits": {"train": {"tokens": total, "shards": shards, "documents": {

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist.data.prepare import FORMAT, VERSION
 from minidist.data.shards import TokenShards
 from minidist.data.tokenizer import MAX_TOKENIZER_BYTES
 
@@ -98,11 +99,11 @@ def _int(value: object, low: int, high: int) -> bool:
 
 
 def _check_fields(m: object, path: Path) -> None:
-    if not isinstance(m, dict) or m.get("format") != "minidist-tokens":
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
         found = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise ValueError(f"{path} is not a minidist-tokens manifest (format {found!r})")
-    if m.get("version") != 1:
-        raise ValueError(f"{path} has version {m.get('version')!r}; this minidist reads version 1")
+        raise ValueError(f"{path} is not a {FORMAT} manifest (format {found!r})")
+    if m.get("version") != VERSION:
+        raise ValueError(f"{path} has version {m.get('version')!r}; this minidist reads version {VERSION}")
     if m.get("dtype") not in DTYPES:
         raise ValueError(f"{path}: dtype {m.get('dtype')!r} is unknown; expected one of {sorted(DTYPES)}")
     limit = 2 ** (8 * DTYPES[m["dtype"]].itemsize)

@@ -46,9 +46,7 @@ def load_training_data(source: str | None, val_fraction: float = 0.05, max_bytes
     """The data `--data` names (module docstring); one-line ValueError for a bad source or dataset. A prepared
     dataset is split and capped by `prepare`: `max_bytes` is refused there, `val_fraction` unused."""
     if source is not None and is_prepared(source):
-        if max_bytes is not None:
-            raise ValueError(f"--max-bytes applies to a text source; {source!r} is a prepared dataset (cap it when "
-                             "preparing it: python -m minidist.data prepare ... --max-bytes N)")
+        check_max_bytes(source, max_bytes)
         ds = open_dataset(source, verify=verify)
         splits = ds.manifest["splits"]
         val = ds.splits.get("val")
@@ -62,6 +60,13 @@ def load_training_data(source: str | None, val_fraction: float = 0.05, max_bytes
     tok = byte_tokenizer()
     return TrainingData(corpus.train, corpus.val, corpus.description, unigram_entropy_nats(corpus.train),
                         tok.json.encode(), tok.vocab_size, tok.eod_id, None)
+
+
+def check_max_bytes(source: str | None, max_bytes: int | None) -> None:
+    """One-line ValueError for `max_bytes` with a prepared dataset: it caps a text source; `prepare` caps a dataset."""
+    if max_bytes is not None and is_prepared(source):
+        raise ValueError(f"--max-bytes applies to a text source; {source!r} is a prepared dataset (cap it when "
+                         "preparing it: python -m minidist.data prepare ... --max-bytes N)")
 
 
 def data_vocab_size(source: str | None) -> int | None:

@@ -13,6 +13,7 @@ from typing import Any
 from minidist.comm.bootstrap import DEVICES
 from minidist.data import training_data
 from minidist.data.corpus import VOCAB_SIZE
+from minidist.data.dataset import is_prepared
 from minidist.model import ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.cp import IMPLS as CP_IMPLS
@@ -94,7 +95,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if non_finite:
         raise ConfigError(f"settings must be finite numbers, got {', '.join(non_finite)}")
     mcfg = model_config(cfg)
-    if data_vocab_size(cfg) is not None:  # recorded in the run's settings: a checkpoint rebuilds the model without it
+    if is_prepared(cfg.data):  # recorded in the run's settings: a checkpoint rebuilds the model without it
         cfg.model_overrides = {**cfg.model_overrides, "vocab_size": mcfg.vocab_size}
     _check_ranges(cfg)
     _check_batch_and_model(cfg, mcfg)
@@ -168,7 +169,7 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={cfg.seq_len}")
-    if mcfg.vocab_size < VOCAB_SIZE and data_vocab_size(cfg) is None:  # a dataset's is the model's (model_config)
+    if mcfg.vocab_size < VOCAB_SIZE and not is_prepared(cfg.data):  # a dataset's is the model's (model_config)
         raise ConfigError(f"model vocab_size {mcfg.vocab_size} is below the {VOCAB_SIZE} byte tokens of the data")
 
 
@@ -198,9 +199,10 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.data != "stdlib" and not any(c in cfg.data for c in "*?[") and not path.exists():
         raise ConfigError(f"data path {cfg.data!r} does not exist; give a text file, a directory, a glob, "
                           "a .bin/.npy file, 'stdlib', or a dataset directory (python -m minidist.data prepare)")
-    if cfg.max_bytes is not None and data_vocab_size(cfg) is not None:
-        raise ConfigError(f"--max-bytes applies to a text source; {cfg.data!r} is a prepared dataset (cap it when "
-                          "preparing it: python -m minidist.data prepare ... --max-bytes N)")
+    try:
+        training_data.check_max_bytes(cfg.data, cfg.max_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.data != "stdlib" and path.exists() and not (path.is_file() or path.is_dir()):  # would never finish reading
         raise ConfigError(f"data path {cfg.data!r} is not a regular file or a directory (a FIFO or a device?)")
 

@@ -133,9 +133,10 @@ def load_data(cfg: TrainConfig) -> TrainingData:
         corpus = load_training_data(cfg.data, cfg.val_fraction, cfg.max_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if corpus.vocab_size > model_config(cfg).vocab_size:  # config_checks sets it from the manifest: a changed file
+    model_vocab = model_config(cfg).vocab_size
+    if corpus.vocab_size > model_vocab:  # config_checks sets it from the manifest: a changed file
         raise ConfigError(f"the data's vocabulary is {corpus.vocab_size:,} but the model's is "
-                          f"{model_config(cfg).vocab_size:,}; prepare the data again or set model.vocab_size")
+                          f"{model_vocab:,}; prepare the data again or set model.vocab_size")
     if corpus.train.numel() < cfg.seq_len + 1:
         raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
                           f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
