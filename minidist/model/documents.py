@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+Docs = list[torch.Tensor] | None  # per micro-batch, the document ids [B, T] of its inputs (--doc-mask); None: no mask
+
 
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """The document index of every token of rows [..., T]: 0 from the row's start, +1 after each `eod_id` (the EOD

@@ -39,7 +39,7 @@ from torch import nn
 
 from minidist.comm.topology import ParallelDims, Topology
 from minidist.model import ModelConfig, lm_loss
-from minidist.model.documents import document_positions
+from minidist.model.documents import Docs, document_positions
 from minidist.model.moe import stats as moe_routing
 from minidist.parallel.dp.data_parallel import DataParallel
 from minidist.parallel.dp.zero import ZeroOptimizer
@@ -55,7 +55,6 @@ from minidist.precision import check_fp32
 IGNORE_INDEX = -100  # targets equal to this are not counted (padding, masked prompts): torch's convention
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Autocast = Callable[[], contextlib.AbstractContextManager]
-Docs = list[torch.Tensor] | None  # per micro-batch, the document ids [B, T] of its inputs (--doc-mask); None: no mask
 
 
 @dataclass

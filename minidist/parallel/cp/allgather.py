@@ -47,15 +47,15 @@ def gathered_positions(seq_len: int, rank: int, cp: int, layout: str, device: to
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
                         scale: float | None = None, work: Work | None = None,
-                        docs: torch.Tensor | Documents | None = None, flex: bool | None = None) -> torch.Tensor:
+                        docs: torch.Tensor | Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries to the all-gathered keys and values; shapes and `docs` as
-    `ring_attention`. With documents on CUDA (`flex` None) or `flex=True`, the whole gathered block runs flex
+    `ring_attention`. With documents on CUDA, the whole gathered block runs flex
     attention with a BlockMask (`gathered_document_attention`: no dense mask, FlashAttention-like tiles), else the
     blockwise kernel. `docs` as `Documents` (the model's): the BlockMask built once per forward, not per block."""
     cp = comm.size
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
-    if docs is not None and (q.device.type == "cuda" if flex is None else flex):
+    if docs is not None and q.device.type == "cuda":
         positions = gathered_positions(seq_len, comm.rank, cp, layout, q.device)
         return gathered_document_attention(q, k_all, v_all, docs, *positions, scale)
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order

@@ -18,10 +18,10 @@ query heads read. Anything else is refused by `validate_context_parallel`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
 from minidist.comm.communicator import Comm
+from minidist.model.attention import causal_attention
 from minidist.model.documents import Documents, document_attention
 from minidist.parallel.cp.sharding import shard_all, unshard_all
 
@@ -64,8 +64,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     if kv_heads % cp:  # fewer kv heads than ranks: copy each to the ranks whose query heads read it
         k, v = k.repeat_interleave(cp // kv_heads, dim=1), v.repeat_interleave(cp // kv_heads, dim=1)
     q, k, v = (sequence_to_heads(t, comm, layout) for t in (q, k, v))
-    if docs is not None:
-        y = document_attention(q, k, v, docs, scale)
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    y = causal_attention(q, k, v, scale) if docs is None else document_attention(q, k, v, docs, scale)
     return heads_to_sequence(y, comm, layout)

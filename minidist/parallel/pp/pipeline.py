@@ -34,8 +34,8 @@ from torch import nn
 
 from minidist.comm.communicator import Comm
 from minidist.memory import PeakSavedBytes
-from minidist.model.config import ModelConfig
-from minidist.model.transformer import Transformer, lm_loss
+from minidist.model import ModelConfig, Transformer, lm_loss
+from minidist.model.documents import Docs
 from minidist.parallel.placement import placement_of
 from minidist.parallel.pp.nccl_model import Post, Wait
 from minidist.parallel.pp.p2p import InFlight, Message, Planned, due_by_action, message_of, p2p_program
@@ -63,7 +63,7 @@ from minidist.parallel.pp.zero_bubble import (
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> Σ token losses, fp32
 sum_lm_loss: LossFn = functools.partial(lm_loss, reduction="sum")
-Positions = Docs = list[torch.Tensor] | None  # per micro-batch: positions; document ids (--doc-mask, None: causal)
+Positions = list[torch.Tensor] | None  # per micro-batch (None: 0..T−1)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Validation and partitioning
