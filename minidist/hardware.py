@@ -116,6 +116,41 @@ DEEPGEMM_EXPERTS: tuple[tuple[int, float, float], ...] = (
 FP8_BLOCKWISE_CHIPS = ("H800", "H100-SXM")  # DeepGEMM's figures hold for: the same compute die and clocks (above)
 
 
+# Attention kernels in training (forward + backward), by sequence length: FlashAttention-2 (Dao 2023, "FlashAttention-2:
+# Faster Attention with Better Parallelism and Work Partitioning") as its repository's README charts it
+# (github.com/Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png and flash2_a100_fwd_bwd_benchmark.png,
+# panel (d): causal mask, head dimension 128, bf16/fp16, batch x length = 16k tokens, 2,048 hidden), as (length,
+# TFLOP/s). Its FLOPs are the benchmark's own (`benchmarks/benchmark_flash_attention.py`): the forward's 4·b·s²·h·d
+# halved under the causal mask, the backward 2.5 times the forward (it recomputes the scores): 3.5 forwards in all.
+# A kernel benchmark, not a training run. The public kernel both published runs could use for their shapes: Llama 3
+# trained before FlashAttention-3's first release (July 2024), and FlashAttention-3 took DeepSeek-V3's head dimensions
+# (192 for q·k, 128 for p·v) in February 2025 (forward) and April 2025 (backward), after its report. H800 and H200
+# SXM have the H100 SXM's compute die, as for the matmuls above.
+ATTENTION_SOURCE = ("FlashAttention-2's forward + backward, causal, head dim 128, by sequence length "
+                    "(github.com/Dao-AILab/flash-attention, README benchmark charts, 2023)")
+_FA2_H100 = ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328))
+ATTENTION_KERNEL: dict[str, tuple[tuple[int, float], ...]] = {
+    "A100": ((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189)),
+    "H100-SXM": _FA2_H100, "H800": _FA2_H100, "H200-SXM": _FA2_H100}
+ATTENTION_KERNEL_FLOPS = 3.5  # the kernels' work in forwards: 1 forward + a backward of 2.5 (the scores recomputed)
+
+
+def log2_interpolate(table: tuple[tuple[float, float], ...], x: float) -> float:
+    """The value at `x` of a table of (x, value) rows sorted by x, linear in log2(x) between rows, the end rows'
+    values held beyond them."""
+    logs = [math.log2(row[0]) for row in table]
+    at = min(max(math.log2(max(x, 1.0)), logs[0]), logs[-1])
+    hi = max(bisect.bisect_left(logs, at), 1)  # the first row at or above x (the second at the lower end)
+    w = (at - logs[hi - 1]) / (logs[hi] - logs[hi - 1])
+    return (1 - w) * table[hi - 1][1] + w * table[hi][1]
+
+
+def attention_rate(kernel: tuple[tuple[int, float], ...], key_len: float) -> float:
+    """FLOP/s (the benchmark's count) of an attention kernel of table `kernel` whose queries each meet up to `key_len`
+    keys, interpolated in log2(length) between the table's lengths (its ends held beyond them)."""
+    return log2_interpolate(kernel, key_len) * 1e12
+
+
 def gemm_rate(rows: tuple[tuple[int, int, int, int, float], ...]) -> float:
     """FLOP/s of a set of GEMMs run one after the other: their FLOPs over the sum of their times."""
     flops = [2 * g * m * n * k for g, m, n, k, _ in rows]
@@ -126,11 +161,7 @@ def expert_gemm_rate(rows_per_expert: float) -> float:
     """FLOP/s of DeepSeek-V3's routed experts' FP8 GEMMs with `rows_per_expert` rows each: gate and up (twice the
     down projection's FLOPs) then down, each interpolated in log2(rows) between `DEEPGEMM_EXPERTS`' rows (the
     ends held beyond them)."""
-    table, logs = DEEPGEMM_EXPERTS, [math.log2(row[0]) for row in DEEPGEMM_EXPERTS]
-    x = min(max(math.log2(max(rows_per_expert, 1.0)), logs[0]), logs[-1])
-    hi = max(bisect.bisect_left(logs, x), 1)  # the first row at or above x (the second at the lower end)
-    w = (x - logs[hi - 1]) / (logs[hi] - logs[hi - 1])
-    up, down = ((1 - w) * table[hi - 1][j] + w * table[hi][j] for j in (1, 2))
+    up, down = (log2_interpolate(tuple((row[0], row[j]) for row in DEEPGEMM_EXPERTS), rows_per_expert) for j in (1, 2))
     return 3e12 / (2 / up + 1 / down)
 
 

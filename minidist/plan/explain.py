@@ -20,7 +20,9 @@ from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, T
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at DeepGEMM's "
             "rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the bf16 "
-            "efficiency of the FP8 peak; FP8's quantization not charged)",
+            "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length only, "
+            "at head dim 128 whatever the model's)",
+            "element-wise kernels (norms, activations, residual adds, RoPE)",
             "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
             "hide in its overlapped pairs)",
             "the routing's imbalance (node-limited routing's two hops are modelled, overlapped as DeepSeek-V3 runs "
@@ -58,7 +60,7 @@ def time_terms(t: StepTime) -> list[str]:
     """The step time as the sum the planner computes, each term in seconds."""
     busy = t.compute + t.tp + t.cp + t.ep + t.pp
     return [f"  compute {t.compute:.3f} + tp {t.tp:.3f} + cp {t.cp:.3f} + ep {t.ep:.3f} + pp {t.pp:.3f} "
-            f"= {busy:.3f} s busy per stage",
+            f"= {busy:.3f} s busy per stage (the attention kernels {t.attention:.3f} s of the compute)",
             f"  / (1 - bubble {t.bubble:.1%}) = {busy / (1 - t.bubble):.3f} s, + dp exposed {t.dp:.3f} "
             f"= {t.total:.3f} s per step ({t.hidden:.3f} s of communication hidden behind compute)"]
 

@@ -58,6 +58,7 @@ from minidist.plan.step_time import (
     Cluster,
     Recipe,
     StepTime,
+    attention_source,
     cluster_for_chip,
     efficiency_source,
     fp8_rate,
@@ -306,7 +307,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"({cluster.gpus_per_node} per node, {cluster.memory_bytes / GIB:.0f} GiB, "
              f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
-             f"({efficiency_source(cluster)}); links: "
+             f"({efficiency_source(cluster)}), attention kernels {attention_source(cluster)}; links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
              recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",

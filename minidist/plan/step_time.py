@@ -4,8 +4,12 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 * Compute: the model FLOPs of a step (`flops.mfu_flops_per_token`: 6·N_active + causal attention; full
   recomputation adds one more forward of the blocks; selective adds no matmul) split over the ranks, the blocks' at
   the pace of the pipeline stage with the most of them, at `Cluster.efficiency` of the chip's dense peak (by default
-  the chip's published best matmul throughput, `hardware.MATMUL_EFFICIENCY`). MoE layers run whole on every tp
-  rank (as in the trainer), so their FLOPs are not divided by tp.
+  the chip's published best matmul throughput, `hardware.MATMUL_EFFICIENCY`), but the attention kernels' (scores
+  and values) at a measured attention kernel's rate for the length of keys each query meets (`Cluster.attention_kernel`,
+  `hardware.ATTENTION_KERNEL`: FlashAttention-2's forward + backward on the chip; the sequence, or its 1/cp chunk
+  under ring context parallelism), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the
+  scores recomputed). MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by
+  tp.
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
   its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
   tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
@@ -33,7 +37,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
-Left out: the head's imbalance (on the last stage), kernels' efficiency by shape, FP8's quantization, the
+Left out: the head's imbalance (on the last stage), the matmuls' efficiency by shape (but FP8's on H800/H100),
+element-wise kernels, FP8's quantization, the
 network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
 """
 
@@ -43,11 +48,15 @@ from dataclasses import dataclass
 
 from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
 from minidist.hardware import (
+    ATTENTION_KERNEL,
+    ATTENTION_KERNEL_FLOPS,
+    ATTENTION_SOURCE,
     DEEPGEMM_DENSE,
     DEEPGEMM_SOURCE,
     FP8_BLOCKWISE_CHIPS,
     MAMF_SOURCE,
     Link,
+    attention_rate,
     chip,
     collective_time,
     expert_gemm_rate,
@@ -79,6 +88,8 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
     fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
+    # an attention kernel's measured (key length, TFLOP/s) in training (None: attention at the matmul rate)
+    attention_kernel: tuple[tuple[int, float], ...] | None = None
 
     @property
     def budget(self) -> float:
@@ -95,7 +106,14 @@ def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None
     if efficiency is None:
         efficiency = record.matmul_efficiency or DEFAULT_EFFICIENCY
     return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency,
-                   fp8_peak_flops=record.dense_peak.get("fp8", 0.0))
+                   fp8_peak_flops=record.dense_peak.get("fp8", 0.0), attention_kernel=ATTENTION_KERNEL.get(name))
+
+
+def attention_source(cluster: Cluster) -> str:
+    """Where the attention kernels' rate comes from, in words."""
+    if cluster.attention_kernel is None:
+        return f"at the matmul rate (no attention kernel measured on {cluster.name})"
+    return f"at {ATTENTION_SOURCE}"
 
 
 def efficiency_source(cluster: Cluster) -> str:
@@ -118,6 +136,7 @@ class StepTime:
     pp: float
     dp: float  # exposed
     hidden: float  # communication overlapped with compute (not in total)
+    attention: float = 0.0  # of `compute`: the attention kernels' seconds
 
     @property
     def total(self) -> float:
@@ -151,6 +170,7 @@ class RankFlops:
     attention: float
     linears: float
     experts: float = 0.0  # the routed experts' share of `linears` (grouped GEMMs, their rate by rows per expert)
+    attention_kernel: float = 0.0  # the attention kernels' work in their benchmark's count (`ATTENTION_KERNEL_FLOPS`)
 
 
 def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
@@ -159,7 +179,9 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
     tp rank."""
     f = per_token or token_flops(cfg, seq_len)
     total, moe, attention = f.total, f.moe, f.attention
+    forwards = 3  # the attention FLOPs count a forward and a backward of two
     if layout.recompute == "full":
+        forwards = 4
         total += (total - f.head) / 3  # one more forward of the blocks: a third of their training FLOPs
         moe *= 4 / 3
         attention *= 4 / 3
@@ -171,7 +193,9 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
     split = (total - moe) / dims.tp + moe
     tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
     linears = split - f.head / dims.tp - attention / dims.tp
-    return RankFlops(split * tokens, attention / dims.tp * tokens, linears * tokens, moe * _routed_share(cfg) * tokens)
+    attention_forward = attention / dims.tp * tokens / forwards
+    return RankFlops(split * tokens, attention_forward * forwards, linears * tokens, moe * _routed_share(cfg) * tokens,
+                     attention_forward * (ATTENTION_KERNEL_FLOPS + forwards - 3))
 
 
 def _routed_share(cfg: ModelConfig) -> float:
@@ -208,17 +232,28 @@ def fp8_source(cluster: Cluster, fp8: str) -> str:
     return f"the {cluster.fp8_peak_flops / 1e12:,.0f} TFLOP/s FP8 peak at the bf16 matmul efficiency"
 
 
-def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0) -> float:
-    """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak; under FP8 (`fp8` a
-    recipe's name) the blocks' linears at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The
-    FP8 recipe's quantization (casts and scales, element-wise passes over the linears' inputs and gradients) is not
-    charged: fused into the GEMMs' neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these
-    sizes."""
+def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0,
+                    key_len: float = 0.0) -> float:
+    """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak but the attention kernels'
+    (`attention_seconds` for queries meeting `key_len` keys); under FP8 (`fp8` a recipe's name) the blocks' linears
+    at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The FP8 recipe's quantization (casts and
+    scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
+    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
+    bf16 = flops.total - flops.attention - (flops.linears if fp8 else 0.0)
+    seconds = bf16 / rate + attention_seconds(flops, cluster, key_len)
     if not fp8:
-        return flops.total / rate
-    return ((flops.total - flops.linears) / rate + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
+        return seconds
+    return (seconds + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
             + flops.experts / fp8_rate(cluster, fp8, rows_per_expert))
+
+
+def attention_seconds(flops: RankFlops, cluster: Cluster, key_len: float) -> float:
+    """Seconds of the attention kernels whose queries meet up to `key_len` keys: their work at the cluster's measured
+    attention kernel's rate for that length, or their FLOPs at the matmul rate where none was measured."""
+    if cluster.attention_kernel is None:
+        return flops.attention / (cluster.peak_flops * cluster.efficiency)
+    return flops.attention_kernel / attention_rate(cluster.attention_kernel, key_len)
 
 
 @dataclass(frozen=True)
@@ -248,13 +283,12 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                                                     per_token, recipe))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
     return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
-                    stage.hidden + dp_hidden)
+                    stage.hidden + dp_hidden, stage.attention)
 
 
 def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
                 precision: Precision, per_token: TokenFlops | None, recipe: Recipe) -> StepTime:
     """Every term of `predict_step` but the replica groups' (dp 0)."""
-    rate = cluster.peak_flops * cluster.efficiency
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     dims, o = layout.dims, layout.options
     m, p = o.microbatches, precision.activation
@@ -263,7 +297,10 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
     # each expert gets its share of the top-k rows of the ep ranks' tokens (balanced routing)
     rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
-    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert)
+    # the keys each query meets in one kernel: a ring step's chunk, else the whole sequence (all-gather, Ulysses)
+    key_len = seq_len // dims.cp if o.cp_impl == "ring" else seq_len
+    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert, key_len)
+    attention = attention_seconds(flops, cluster, key_len)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
     n_layers = dense_layers + moe_layers
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
@@ -282,7 +319,7 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
         kv = tokens * kv_heads * (d_qk + d_v) * p
         one = (dims.cp - 1) * collective_time("send", kv, 2, link_of(cluster, dims.tp * dims.cp))
         cp = m * n_layers * one * (3 + again)
-        cp_exposed = max(0.0, cp - flops.attention / rate)
+        cp_exposed = max(0.0, cp - attention)
         cp_hidden = cp - cp_exposed
     ep = 0.0
     if dims.ep > 1 and moe_layers:
@@ -301,7 +338,8 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     costs = split_costs(flops.attention / flops.total, layout.recompute)
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
     share = overlap / (ep + pp) if overlap else 0.0
-    return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap)
+    return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap,
+                    attention)
 
 
 def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cluster, p: int,
