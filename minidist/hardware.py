@@ -19,6 +19,7 @@ the links of its usual node, and the name CUDA reports for it. `CHIPS` is the on
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -145,18 +146,21 @@ def log2_interpolate(table: tuple[tuple[float, float], ...], x: float) -> float:
     return (1 - w) * table[hi - 1][1] + w * table[hi][1]
 
 
+@functools.cache  # a search asks for the same few lengths hundreds of thousands of times
 def attention_rate(kernel: tuple[tuple[int, float], ...], key_len: float) -> float:
     """FLOP/s (the benchmark's count) of an attention kernel of table `kernel` whose queries each meet up to `key_len`
     keys, interpolated in log2(length) between the table's lengths (its ends held beyond them)."""
     return log2_interpolate(kernel, key_len) * 1e12
 
 
+@functools.cache  # DeepGEMM's dense table, asked for once per layout of a search
 def gemm_rate(rows: tuple[tuple[int, int, int, int, float], ...]) -> float:
     """FLOP/s of a set of GEMMs run one after the other: their FLOPs over the sum of their times."""
     flops = [2 * g * m * n * k for g, m, n, k, _ in rows]
     return sum(flops) / sum(f / (tflops * 1e12) for f, (*_, tflops) in zip(flops, rows))
 
 
+@functools.cache  # a search asks for the same few row counts hundreds of thousands of times
 def expert_gemm_rate(rows_per_expert: float) -> float:
     """FLOP/s of DeepSeek-V3's routed experts' FP8 GEMMs with `rows_per_expert` rows each: gate and up (twice the
     down projection's FLOPs) then down, each interpolated in log2(rows) between `DEEPGEMM_EXPERTS`' rows (the

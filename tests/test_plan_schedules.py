@@ -259,6 +259,64 @@ def test_attention_kernels_run_at_their_measured_rate_by_key_length(capsys):
     assert "attention kernels at the matmul rate (no attention kernel measured on B200)" in capsys.readouterr().out
 
 
+def test_context_parallelism_by_implementation():
+    """Ring: its sends overlap the attention kernels, only the excess exposed; all-gather (Llama 3's): per block
+    forward an all-gather of the whole sequence's K and V, per backward a reduce-scatter of their gradients, another
+    all-gather when the forward is recomputed, all exposed; Ulysses: q, k, v and the output through an all-to-all
+    each, forward and backward, exposed. The search tries the ring and the all-gather for cp > 1; an all-gather
+    layout keeps more than its ring twin (the whole sequence's keys and values), so a ring layout over the budget
+    spares the search its twin."""
+    from minidist.plan.search import CP_IMPLS, describe_layout
+    from minidist.plan.step_time import cluster_for_chip, context_parallel_time
+
+    cfg, h100 = get_preset("llama3-8b"), cluster_for_chip("H100-SXM", efficiency=None)
+    tokens, p, layers, m = 2048, 2, 4, 3
+    kv = tokens * (cfg.n_kv_heads // 2) * 2 * cfg.head_dim * p  # tp 2: this rank's K and V heads
+    link = link_of(h100, 2 * 4)
+    for recompute, again in (("none", 0), ("full", 1)):
+        def of(impl, recompute=recompute):
+            return context_parallel_time(cfg, Layout.of(tp=2, cp=4, cp_impl=impl, microbatches=m,
+                                                        recompute=recompute), h100, tokens, p, layers, 1.0)
+        gather = (1 + again) * collective_time("all_gather", 4 * kv, 4, link)
+        assert of("allgather") == (pytest.approx(m * layers * (gather + collective_time("reduce_scatter", 4 * kv, 4,
+                                                                                         link))), 0.0)
+        widths = [cfg.n_heads // 2 * cfg.head_dim, kv / (tokens * p) / 2, kv / (tokens * p) / 2,
+                  cfg.n_heads // 2 * cfg.head_dim]
+        per_pass = sum(collective_time("all_to_all", tokens * w * p, 4, link) for w in widths)
+        assert of("ulysses") == (pytest.approx(m * layers * per_pass * (2 + again)), 0.0)
+        ring = m * layers * 3 * collective_time("send", kv, 2, link) * (3 + again)
+        assert sum(of("ring")) == pytest.approx(ring) and of("ring")[0] == pytest.approx(max(0.0, ring - 1.0))
+    v3 = get_preset("deepseek-v3")
+    for model in (cfg, v3):  # GQA and MLA: the all-gather keeps the whole sequence's keys and values on top
+        ring, gathered = (estimate_memory(model, Layout.of(cp=4, cp_impl=impl), 4096, 1, BF16_MEGATRON).activations
+                          for impl in ("ring", "allgather"))
+        assert gathered > ring
+    plan = search(cfg, 16, 8192, 64 * 8192, h100)
+    impls = {(c.layout.dims.cp > 1, c.layout.options.cp_impl) for c in plan.feasible + plan.rejected}
+    assert impls == {(False, "ring")} | {(True, impl) for impl in CP_IMPLS}
+    assert describe_layout(Layout.of(dp=2, cp=4, cp_impl="allgather")).startswith("dp 2 tp 1 pp 1 cp 4 allgather ep")
+    rejected_ring = {c.layout for c in plan.rejected if c.layout.dims.cp > 1 and c.layout.options.cp_impl == "ring"}
+    assert rejected_ring and any(c.layout.options.cp_impl == "allgather" for c in plan.rejected)
+    for c in plan.feasible + plan.rejected:
+        if c.layout.options.cp_impl == "allgather":
+            twin = dataclasses.replace(c.layout, options=dataclasses.replace(c.layout.options, cp_impl="ring"))
+            assert twin not in rejected_ring  # never evaluated: over the budget like its ring twin
+
+
+def test_published_runs_count_what_their_stacks_had():
+    """Llama 3's stack: 1F1B and interleaved, all-gather context parallelism (§3.3.2); DeepSeek-V3's: whatever the
+    search tries (the ring and the all-gather; Ulysses is left to --explain)."""
+    from minidist.plan.published import published_runs
+
+    llama, *_, v3 = published_runs()
+    for impl, had in (("ring", False), ("allgather", True), ("ulysses", False)):
+        assert llama.had(Layout.of(cp=2, cp_impl=impl, schedule="interleaved", pp=2, microbatches=2)) == had
+        assert v3.had(Layout.of(cp=2, cp_impl=impl)) == (impl != "ulysses")
+    assert llama.had(Layout.of(pp=2, microbatches=2, schedule="1f1b"))
+    dualpipev = Layout.of(pp=2, microbatches=4, schedule="dualpipev")
+    assert not llama.had(dualpipev) and v3.had(dualpipev)
+
+
 def test_deepseek_precision_keeps_fp32_gradients_and_bf16_moments():
     """`--kernels deepseek` (DeepSeek-V3 §3.3.3): Megatron's activations, gradients in fp32 (twice bf16's bytes),
     the master copy fp32 and the AdamW moments bf16 (8 bytes of optimizer state, not 12), named in the report."""

@@ -23,7 +23,8 @@ variant that fits. The 16,384-GPU run is held a second time with this trainer's 
 under which its shape fits only with full recomputation: the papers do not give the activation memory that would
 tell the two apart. `Held.rank_available` places the published layout among the layouts that use only what the run
 had: Llama 3's stack ran 1F1B / interleaved schedules (§3.3.2), not the zero-bubble ones (Qi et al., November 2023)
-nor DualPipe (December 2024, after it).
+nor DualPipe (December 2024, after it), and its context parallelism all-gathers K and V (§3.3.2), with the
+all-gather exposed, not a ring overlapped with attention.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 
 from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
+from minidist.parallel.layout import Layout
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
 from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, BF16_MIXED, Precision
-from minidist.plan.search import Candidate, Plan, describe_layout, rank_of, search
+from minidist.plan.search import CP_IMPLS, Candidate, Plan, describe_layout, rank_of, search
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
 
 
@@ -52,6 +54,15 @@ class PublishedRun:
     recipe: Recipe = DEFAULT_RECIPE
     precision: Precision = BF16_MEGATRON
     unavailable: tuple[str, ...] = ()  # schedules the run's stack did not have
+    cp_impls: tuple[str, ...] = CP_IMPLS  # the context-parallel attention its stack had
+
+    def had(self, layout: Layout) -> bool:
+        """Whether the run's stack could run `layout`: its schedule, and its context parallelism if any."""
+        o = layout.options
+        return o.schedule not in self.unavailable and (layout.dims.cp == 1 or o.cp_impl in self.cp_impls)
+
+
+LLAMA3_CP = ("allgather",)  # Llama 3 §3.3.2: context parallelism by all-gathering K and V, not a ring
 
 
 def _from_tflops(model: str, seq_len: int, sequences: int, gpus: int, tflops: float) -> float:
@@ -66,13 +77,14 @@ def published_runs() -> list[PublishedRun]:
     return [
         PublishedRun("Llama 3 405B, 8,192 H100", "llama3-405b", "H100-SXM", 8192, 8192, 2048, {**llama, "dp": 64},
                      _from_tflops("llama3-405b", 8192, 2048, 8192, 430), "Llama 3 Table 4: 430 TFLOP/s per GPU",
-                     unavailable=ZB_SCHEDULES),
+                     unavailable=ZB_SCHEDULES, cp_impls=LLAMA3_CP),
         PublishedRun("Llama 3 405B, 16,384 H100", "llama3-405b", "H100-SXM", 16384, 8192, 2048, {**llama, "dp": 128},
                      _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU",
-                     unavailable=ZB_SCHEDULES),
+                     unavailable=ZB_SCHEDULES, cp_impls=LLAMA3_CP),
         PublishedRun("Llama 3 405B, 16,384 H100, this trainer's kernels", "llama3-405b", "H100-SXM", 16384, 8192,
                      2048, {**llama, "dp": 128}, _from_tflops("llama3-405b", 8192, 2048, 16384, 400),
-                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZB_SCHEDULES),
+                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZB_SCHEDULES,
+                     cp_impls=LLAMA3_CP),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
                      "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8="blockwise", max_nodes=4),
@@ -102,7 +114,7 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
         cluster = cluster_for_chip(run.chip, efficiency=None)
         plan = search(get_preset(run.model), run.gpus, run.seq_len, run.seq_len * run.sequences, cluster,
                       run.precision, run.recipe)
-    had = [c for c in plan.feasible if c.layout.options.schedule not in run.unavailable]
+    had = [c for c in plan.feasible if run.had(c.layout)]
     place, candidate = rank_of(Plan(had, []), **run.layout)  # the fastest variant the run's stack could run
     if candidate is None:
         place, candidate = rank_of(plan, **run.layout)

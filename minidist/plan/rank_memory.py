@@ -275,6 +275,8 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         # output); fp32 log-sum-exp
         copies = 2 if fused else 3
         attention = latents + p * n * h * copies * (d_qk + d_v) + 4 * n * h
+        if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
+            attention += p * n * h * (d_qk + d_v) * (layout.dims.cp - 1)
     else:
         kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim

@@ -73,7 +73,10 @@ from minidist.train.config import OneLineParser
 MIN_CP_TOKENS = 1024
 FP8_CHOICES = ("none", *FP8_RECIPES)  # the trainer's --fp8 recipes
 JSON_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "microbatches", "virtual_stages", "recompute",
-             "mem_gib", "step_s", "fits", "heaviest_stage")
+             "cp_impl", "mem_gib", "step_s", "fits", "heaviest_stage")
+# context parallelism's implementations the search tries: the ring (its sends overlap the attention) and the
+# all-gather Llama 3 runs (exposed, but simple with document masks); Ulysses (heads over cp) is left to --explain
+CP_IMPLS = ("ring", "allgather")
 
 
 @dataclass
@@ -184,11 +187,12 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             if len(micro) < len(_divisors(per_replica)):
                 refused[f"pp={pp}: fewer micro-batches than stages (bubble over half the step)"] += 1
             recomputes = ("none", "full") if cp > 1 else ("none", "selective", "full")  # as the trainer runs them
-            for ep, zero, m, recompute in itertools.product(eps, range(4), micro, recomputes):
+            impls = CP_IMPLS if cp > 1 else ("ring",)
+            for ep, zero, m, recompute, impl in itertools.product(eps, range(4), micro, recomputes, impls):
                 dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                 for schedule, v in pipeline_schedules(cfg.n_layers, pp, m):
                     options = ParallelOptions(sequence_parallel=tp > 1, schedule=schedule, microbatches=m,
-                                              virtual_stages=v, zero=zero)
+                                              virtual_stages=v, zero=zero, cp_impl=impl)
                     yield Layout(dims, options, recompute)
 
 
@@ -226,6 +230,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
+    ring_over: set[Layout] = set()  # ring-attention layouts over the budget
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
         dims, m = layout.dims, layout.options.microbatches
         lighter = (layout.dims, layout.options)
@@ -239,14 +244,20 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
+        if layout.options.cp_impl != "ring" and _as_ring(layout) in ring_over:
+            continue  # it keeps all the ring keeps and the whole sequence's keys and values: over too, not listed
         first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo)
         if first.total > cluster.budget:  # over on its first stage: it cannot fit, whichever stage is heaviest
             time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
             rejected.append(Candidate(layout, first, time, False, over_at_first_stage=True))
+            if dims.cp > 1 and layout.options.cp_impl == "ring":
+                ring_over.add(layout)
             continue
         memory, time, fits = evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe, per_token, memo,
                                       time_memo)
         (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
+        if not fits and dims.cp > 1 and layout.options.cp_impl == "ring":
+            ring_over.add(layout)
         if fits:
             fits_lighter.add(lighter)
         if fits and dims.pp == 1:
@@ -258,6 +269,11 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
         return estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
     return Plan(feasible, rejected, refused, cluster.budget, recipe, precision, memory_of)
+
+
+def _as_ring(layout: Layout) -> Layout:
+    """`layout` with ring attention for its context parallelism."""
+    return dataclasses.replace(layout, options=dataclasses.replace(layout.options, cp_impl="ring"))
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
@@ -284,7 +300,8 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
 
 def describe_layout(lay: Layout) -> str:
     d, o = lay.dims, lay.options
-    text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} zero {o.zero} {o.schedule} m {o.microbatches}"
+    cp = f"{d.cp}" if d.cp == 1 or o.cp_impl == "ring" else f"{d.cp} {o.cp_impl}"
+    text = f"dp {d.dp} tp {d.tp} pp {d.pp} cp {cp} ep {d.ep} zero {o.zero} {o.schedule} m {o.microbatches}"
     return text + (f" v {o.virtual_stages}" if o.virtual_stages > 1 else "") + \
         (f" recompute {lay.recompute}" if lay.recompute != "none" else "")
 
@@ -311,12 +328,15 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
              recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
-             "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} {'schedule':>11} {'m':>4} "
+             "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'cp by':>9} {'ep':>3} {'zero':>4} "
+             f"{'schedule':>11} {'m':>4} "
              f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
              f"{'cp':>6} {'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
         d, o, t = c.layout.dims, c.layout.options, c.time
-        lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {o.zero:>4} {o.schedule:>11} "
+        cp_by = o.cp_impl if d.cp > 1 else "-"
+        lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {cp_by:>9} {d.ep:>3} {o.zero:>4} "
+                     f"{o.schedule:>11} "
                      f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} {c.memory.total / GIB:>7.1f} "
                      f"{c.memory.stage:>3} "
                      f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "

@@ -18,7 +18,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
     tp   2 all-reduces (sequence parallel: reduce-scatter + all-gather, the same bytes) per dense block forward,
          2 backward, 2 more when the forward is recomputed; one region in an MoE block (attention)   exposed
     cp   ring: cp−1 sends of this rank's K and V per block forward, twice that backward; overlapped with the
-         attention's own compute (chapter 10), only the excess is exposed
+         attention's own compute (chapter 10), only the excess is exposed. All-gather (as Llama 3 runs it) and
+         Ulysses: their collectives per block, exposed (`context_parallel_time`)
     ep   dispatch + combine all-to-all per MoE block, forward and backward (+ forward again if recomputed)  exposed
     pp   one activation per micro-batch and chunk boundary forward, one gradient backward               exposed
     dp   gradients over dp·cp (dense) and edp (experts), ZeRO's collectives (`zero_bytes.zero_comm_bytes`):
@@ -312,15 +313,7 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     if dims.tp > 1:
         calls = (2 * dense_layers + moe_layers) * (2 + again)
         tp = m * calls * collective_time("all_reduce", act, dims.tp, link_of(cluster, dims.tp))
-    cp_exposed = cp_hidden = 0.0
-    if dims.cp > 1:
-        d_qk, d_v = attention_dims(cfg)
-        kv_heads = cfg.n_heads if cfg.attention == "mla" else max(cfg.n_kv_heads // dims.tp, 1)
-        kv = tokens * kv_heads * (d_qk + d_v) * p
-        one = (dims.cp - 1) * collective_time("send", kv, 2, link_of(cluster, dims.tp * dims.cp))
-        cp = m * n_layers * one * (3 + again)
-        cp_exposed = max(0.0, cp - attention)
-        cp_hidden = cp - cp_exposed
+    cp_exposed, cp_hidden = context_parallel_time(cfg, layout, cluster, tokens, p, n_layers, attention)
     ep = 0.0
     if dims.ep > 1 and moe_layers:
         # dispatch + combine forward, their gradients backward (+ the forward's again when recomputed); an FP8
@@ -340,6 +333,39 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     share = overlap / (ep + pp) if overlap else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap,
                     attention)
+
+
+def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, tokens: int, p: int, n_layers: int,
+                          attention: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of context parallelism's traffic per step, `tokens` per rank and micro-batch over
+    `n_layers` blocks, by implementation (chapter 10), each block's forward again under recomputation:
+    ring: cp−1 sends of this rank's K and V per forward, twice that backward, overlapped with the attention kernels
+    (`attention` seconds) and exposed beyond them; all-gather: the whole sequence's K and V gathered per forward,
+    their gradients reduce-scattered per backward, exposed (as Llama 3 runs it, §3.3.2: "the all-gather
+    communication latency is exposed in the critical path"); Ulysses: q, k, v and the output through an all-to-all
+    each per forward, their gradients per backward, exposed."""
+    dims = layout.dims
+    if dims.cp == 1:
+        return 0.0, 0.0
+    d_qk, d_v = attention_dims(cfg)
+    heads = cfg.n_heads // dims.tp
+    kv_heads = heads if cfg.attention == "mla" else max(cfg.n_kv_heads // dims.tp, 1)
+    kv = tokens * kv_heads * (d_qk + d_v) * p
+    link = link_of(cluster, dims.tp * dims.cp)
+    passes = layout.options.microbatches * n_layers
+    again = 0 if layout.recompute == "none" else 1
+    impl = layout.options.cp_impl
+    if impl == "allgather":
+        one = ((1 + again) * collective_time("all_gather", kv * dims.cp, dims.cp, link)
+               + collective_time("reduce_scatter", kv * dims.cp, dims.cp, link))
+        return passes * one, 0.0
+    if impl == "ulysses":
+        tensors = [heads * d_qk, kv_heads * d_qk, kv_heads * d_v, heads * d_v]
+        one = sum(collective_time("all_to_all", tokens * width * p, dims.cp, link) for width in tensors)
+        return passes * one * (2 + again), 0.0
+    ring = passes * (dims.cp - 1) * collective_time("send", kv, 2, link) * (3 + again)
+    exposed = max(0.0, ring - attention)
+    return exposed, ring - exposed
 
 
 def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cluster, p: int,
