@@ -329,3 +329,20 @@ def test_deepseek_precision_keeps_fp32_gradients_and_bf16_moments():
     assert ours.optimizer == pytest.approx(megatron.optimizer * 8 / 12)
     assert ours.params == megatron.params and ours.activations == megatron.activations
     assert PRECISIONS["deepseek"] is BF16_DEEPSEEK and "fp32 gradients, 8 bytes" in precision_words(BF16_DEEPSEEK)
+
+
+def test_a_published_layout_that_fits_only_with_what_its_run_lacked_has_no_place_among_what_it_had():
+    """`hold` places the published layout among the layouts its run's stack could run; one that fits only under
+    schedules the stack lacked gets no place there (not its overall rank), and the table says so."""
+    from minidist.plan.published import PublishedRun, hold, table
+    from minidist.plan.step_time import cluster_for_chip
+
+    cfg, h100 = get_preset("tiny"), cluster_for_chip("H100-SXM", efficiency=None)
+    plan = search(cfg, 8, 256, 64 * 1024, h100)
+    every = ("1f1b", "interleaved", "zb1", "zbv", "dualpipev")
+    runs = {lacked: PublishedRun("toy", "tiny", "H100-SXM", 8, 256, 256, dict(dp=4, tp=1, pp=2, cp=1, ep=1), 1.0,
+                                 "a test", unavailable=lacked) for lacked in ((), every)}
+    full, lacking = hold(runs[()], plan), hold(runs[every], plan)
+    assert full.rank is not None and full.rank_available == full.rank  # the run had everything
+    assert lacking.rank == full.rank and lacking.rank_available is None and lacking.available == 0
+    assert table([lacking]).splitlines()[-1].endswith("| fits only with what it lacked |")

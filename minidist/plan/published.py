@@ -99,7 +99,7 @@ class Held:
     rank: int | None  # among the layouts that fit (None: it does not fit)
     feasible: int
     best: Candidate  # the planner's first choice
-    rank_available: int | None  # among the layouts that fit and use only what the run had
+    rank_available: int | None  # among the layouts that fit and use only what the run had (None: not among them)
     available: int
 
     @property
@@ -116,8 +116,8 @@ def hold(run: PublishedRun, plan: Plan | None = None) -> Held:
                       run.precision, run.recipe)
     had = [c for c in plan.feasible if run.had(c.layout)]
     place, candidate = rank_of(Plan(had, []), **run.layout)  # the fastest variant the run's stack could run
-    if candidate is None:
-        place, candidate = rank_of(plan, **run.layout)
+    if candidate is None:  # it fits only with what the run's stack lacked (no place among what it had), or not at all
+        candidate = rank_of(plan, **run.layout)[1]
     if candidate is None:
         raise ValueError(f"{run.name}: the search has no layout {run.layout}")
     rank = next((i for i, c in enumerate(plan.feasible, 1) if c is candidate), None)
@@ -130,7 +130,8 @@ def table(held: list[Held]) -> str:
              "what the run had |", "|---|---|---:|---:|---:|---:|---:|"]
     for h in held:
         place = f"{h.rank} of {h.feasible}" if h.rank else "does not fit"
-        had = f"{h.rank_available} of {h.available}" if h.rank_available else "does not fit"
+        had = f"{h.rank_available} of {h.available}" if h.rank_available else \
+            "does not fit" if h.rank is None else "fits only with what it lacked"
         lines.append(f"| {h.run.name} | {describe_layout(h.predicted.layout)} | {h.predicted.time.total:.2f} | "
                      f"{h.run.seconds:.2f} | {h.ratio:.2f} | {place} | {had} |")
     return "\n".join(lines)
