@@ -281,7 +281,13 @@ def test_context_parallelism_by_implementation():
         assert of("allgather") == (pytest.approx(m * layers * (gather + collective_time("reduce_scatter", 4 * kv, 4,
                                                                                          link))), 0.0)
         widths = [cfg.n_heads // 2 * cfg.head_dim, kv / (tokens * p) / 2, kv / (tokens * p) / 2,
-                  cfg.n_heads // 2 * cfg.head_dim]
+                  cfg.n_heads // 2 * cfg.head_dim]  # 4 kv heads per tp rank: as many as cp ranks
+        few = context_parallel_time(cfg, Layout.of(tp=4, cp=4, cp_impl="ulysses", microbatches=m,
+                                                   recompute=recompute), h100, tokens, p, layers, 1.0)[0]
+        copied = [cfg.n_heads // 4 * cfg.head_dim, 4 * cfg.head_dim, 4 * cfg.head_dim, cfg.n_heads // 4 * cfg.head_dim]
+        link4 = link_of(h100, 16)  # 2 kv heads per tp rank, copied to the 4 ranks
+        assert few == pytest.approx(m * layers * (2 + again) * sum(
+            collective_time("all_to_all", tokens * w * p, 4, link4) for w in copied))
         per_pass = sum(collective_time("all_to_all", tokens * w * p, 4, link) for w in widths)
         assert of("ulysses") == (pytest.approx(m * layers * per_pass * (2 + again)), 0.0)
         ring = m * layers * 3 * collective_time("send", kv, 2, link) * (3 + again)

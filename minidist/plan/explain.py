@@ -23,6 +23,8 @@ LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every 
             "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length only, "
             "at head dim 128 whatever the model's)",
             "element-wise kernels (norms, activations, residual adds, RoPE)",
+            "Ulysses context parallelism in the search (--explain cp_impl=ulysses models it; the search tries the ring "
+            "and the all-gather)",
             "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
             "hide in its overlapped pairs)",
             "the routing's imbalance (node-limited routing's two hops are modelled, overlapped as DeepSeek-V3 runs "

@@ -359,8 +359,9 @@ def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, to
         one = ((1 + again) * collective_time("all_gather", kv * dims.cp, dims.cp, link)
                + collective_time("reduce_scatter", kv * dims.cp, dims.cp, link))
         return passes * one, 0.0
-    if impl == "ulysses":
-        tensors = [heads * d_qk, kv_heads * d_qk, kv_heads * d_v, heads * d_v]
+    if impl == "ulysses":  # fewer kv heads than cp ranks: each copied to the ranks that read it (chapter 10)
+        sent = max(kv_heads, dims.cp)
+        tensors = [heads * d_qk, sent * d_qk, sent * d_v, heads * d_v]
         one = sum(collective_time("all_to_all", tokens * width * p, dims.cp, link) for width in tensors)
         return passes * one * (2 + again), 0.0
     ring = passes * (dims.cp - 1) * collective_time("send", kv, 2, link) * (3 + again)
