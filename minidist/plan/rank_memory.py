@@ -275,14 +275,14 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         # output); fp32 log-sum-exp
         copies = 2 if fused else 3
         attention = latents + p * n * h * copies * (d_qk + d_v) + 4 * n * h
-        if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
-            attention += p * n * h * (d_qk + d_v) * (layout.dims.cp - 1)
+        kv_width = h * (d_qk + d_v)  # a token's keys and values
     else:
         kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
         attention = p * n * ((2 if fused else 3) * q + 2 * kv) + 4 * n * cfg.n_heads // tp  # q before RoPE too
-        if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
-            attention += 2 * p * n * kv * (layout.dims.cp - 1)
+        kv_width = 2 * kv
+    if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
+        attention += p * n * kv_width * (layout.dims.cp - 1)
     if _is_moe_layer(cfg, layer):
         moe = cfg.moe
         k, e, d_expert = moe.top_k, moe.n_experts, moe.d_expert or cfg.d_ff
