@@ -249,19 +249,17 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo)
         if first.total > cluster.budget:  # over on its first stage: it cannot fit, whichever stage is heaviest
             time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
-            rejected.append(Candidate(layout, first, time, False, over_at_first_stage=True))
-            if dims.cp > 1 and layout.options.cp_impl == "ring":
-                ring_over.add(layout)
-            continue
-        memory, time, fits = evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe, per_token, memo,
-                                      time_memo)
-        (feasible if fits else rejected).append(Candidate(layout, memory, time, fits))
-        if not fits and dims.cp > 1 and layout.options.cp_impl == "ring":
+            candidate = Candidate(layout, first, time, False, over_at_first_stage=True)
+        else:
+            candidate = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe,
+                                                    per_token, memo, time_memo))
+        (feasible if candidate.fits else rejected).append(candidate)
+        if not candidate.fits and dims.cp > 1 and layout.options.cp_impl == "ring":
             ring_over.add(layout)
-        if fits:
+        elif candidate.fits:
             fits_lighter.add(lighter)
-        if fits and dims.pp == 1:
-            fits_with.setdefault(others, m)
+            if dims.pp == 1:
+                fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
     rejected.sort(key=lambda c: (c.time.total, c.memory.total))  # memory: a lower bound where over at stage 0
 
@@ -329,18 +327,16 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",
              "", f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'cp by':>9} {'ep':>3} {'zero':>4} "
-             f"{'schedule':>11} {'m':>4} "
-             f"{'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} {'bubble':>6} {'tp':>6} "
-             f"{'cp':>6} {'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
+             f"{'schedule':>11} {'m':>4} {'v':>2} {'recomp':>9} {'GiB':>7} {'at':>3} {'step s':>8} {'compute':>8} "
+             f"{'bubble':>6} {'tp':>6} {'cp':>6} {'ep':>6} {'pp':>6} {'dp':>6} {'hidden':>7}"]
     for i, c in enumerate(plan.feasible[:top], 1):
         d, o, t = c.layout.dims, c.layout.options, c.time
         cp_by = o.cp_impl if d.cp > 1 else "-"
         lines.append(f"{i:>3} {d.dp:>5} {d.tp:>3} {d.pp:>3} {d.cp:>3} {cp_by:>9} {d.ep:>3} {o.zero:>4} "
-                     f"{o.schedule:>11} "
-                     f"{o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} {c.memory.total / GIB:>7.1f} "
-                     f"{c.memory.stage:>3} "
-                     f"{t.total:>8.3f} {t.compute:>8.3f} {t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} "
-                     f"{t.pp:>6.3f} {t.dp:>6.3f} {t.hidden:>7.3f}")
+                     f"{o.schedule:>11} {o.microbatches:>4} {o.virtual_stages:>2} {c.layout.recompute:>9} "
+                     f"{c.memory.total / GIB:>7.1f} {c.memory.stage:>3} {t.total:>8.3f} {t.compute:>8.3f} "
+                     f"{t.bubble:>6.1%} {t.tp:>6.3f} {t.cp:>6.3f} {t.ep:>6.3f} {t.pp:>6.3f} {t.dp:>6.3f} "
+                     f"{t.hidden:>7.3f}")
     if not plan.feasible:
         lines.append("  (none fits: more GPUs, a shorter sequence or a smaller batch per replica)")
     lines.append("GiB: per rank on the heaviest pipeline stage ('at'); times in seconds per step; tp, cp, ep, pp, dp "
