@@ -194,9 +194,9 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
     split = (total - moe) / dims.tp + moe
     tokens = global_batch * seq_len / (dims.dp * dims.cp * dims.pp)  # one pipeline stage's share of a replica
     linears = split - f.head / dims.tp - attention / dims.tp
-    attention_forward = attention / dims.tp * tokens / forwards
-    return RankFlops(split * tokens, attention_forward * forwards, linears * tokens, moe * _routed_share(cfg) * tokens,
-                     attention_forward * (ATTENTION_KERNEL_FLOPS + forwards - 3))
+    attention = attention / dims.tp * tokens
+    kernel = attention / forwards * (ATTENTION_KERNEL_FLOPS + forwards - 3)  # the backward at 2.5 forwards, not 2
+    return RankFlops(split * tokens, attention, linears * tokens, moe * _routed_share(cfg) * tokens, kernel)
 
 
 def _routed_share(cfg: ModelConfig) -> float:
