@@ -62,9 +62,6 @@ class PublishedRun:
         return o.schedule not in self.unavailable and (layout.dims.cp == 1 or o.cp_impl in self.cp_impls)
 
 
-LLAMA3_CP = ("allgather",)  # Llama 3 §3.3.2: context parallelism by all-gathering K and V, not a ring
-
-
 def _from_tflops(model: str, seq_len: int, sequences: int, gpus: int, tflops: float) -> float:
     """Seconds per step implied by `tflops` per GPU, with this course's FLOPs per token."""
     return mfu_flops_per_token(get_preset(model), seq_len) * seq_len * sequences / (gpus * tflops * 1e12)
@@ -73,18 +70,19 @@ def _from_tflops(model: str, seq_len: int, sequences: int, gpus: int, tflops: fl
 def published_runs() -> list[PublishedRun]:
     """The runs of the module docstring."""
     llama = dict(tp=8, cp=1, pp=16, ep=1)
+    # what Llama 3's stack had (§3.3.2): 1F1B / interleaved schedules, context parallelism by all-gathering K and V
+    llama_stack = dict(unavailable=ZB_SCHEDULES, cp_impls=("allgather",))
     ds_seconds = 4096 * 15360 / (2048 * 1e12 / (180_000 * 3600))
     return [
         PublishedRun("Llama 3 405B, 8,192 H100", "llama3-405b", "H100-SXM", 8192, 8192, 2048, {**llama, "dp": 64},
                      _from_tflops("llama3-405b", 8192, 2048, 8192, 430), "Llama 3 Table 4: 430 TFLOP/s per GPU",
-                     unavailable=ZB_SCHEDULES, cp_impls=LLAMA3_CP),
+                     **llama_stack),
         PublishedRun("Llama 3 405B, 16,384 H100", "llama3-405b", "H100-SXM", 16384, 8192, 2048, {**llama, "dp": 128},
                      _from_tflops("llama3-405b", 8192, 2048, 16384, 400), "Llama 3 Table 4: 400 TFLOP/s per GPU",
-                     unavailable=ZB_SCHEDULES, cp_impls=LLAMA3_CP),
+                     **llama_stack),
         PublishedRun("Llama 3 405B, 16,384 H100, this trainer's kernels", "llama3-405b", "H100-SXM", 16384, 8192,
                      2048, {**llama, "dp": 128}, _from_tflops("llama3-405b", 8192, 2048, 16384, 400),
-                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, unavailable=ZB_SCHEDULES,
-                     cp_impls=LLAMA3_CP),
+                     "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, **llama_stack),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
                      "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8="blockwise", max_nodes=4),
