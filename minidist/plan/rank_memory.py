@@ -39,6 +39,7 @@ from typing import TypeVar
 from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
+from minidist.parallel.cp.core import kv_heads_per_rank
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
@@ -277,7 +278,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         attention = latents + p * n * h * copies * (d_qk + d_v) + 4 * n * h
         kv_width = h * (d_qk + d_v)  # a token's keys and values
     else:
-        kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
+        kv = kv_heads_per_rank(cfg, tp) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
         attention = p * n * ((2 if fused else 3) * q + 2 * kv) + 4 * n * cfg.n_heads // tp  # q before RoPE too
         kv_width = 2 * kv
@@ -314,7 +315,7 @@ def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Lay
         attention = p * n * (q_path + m.kv_lora_rank + m.qk_rope_head_dim + h * (m.qk_nope_head_dim + d_v) + d)
         attention += p * n * h * d_v + 4 * n * h
     else:
-        kv = max(cfg.n_kv_heads // tp, 1) * cfg.head_dim
+        kv = kv_heads_per_rank(cfg, tp) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
         attention = p * n * (2 * q + 2 * kv + d) + 4 * n * cfg.n_heads // tp  # q, k, v, wo; kernel's output, lse
     if _is_moe_layer(cfg, layer):

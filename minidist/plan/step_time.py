@@ -67,6 +67,7 @@ from minidist.hardware import (
     peak_flops,
 )
 from minidist.model.config import ModelConfig
+from minidist.parallel.cp.core import kv_heads_per_rank
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
@@ -349,7 +350,7 @@ def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, to
         return 0.0, 0.0
     d_qk, d_v = attention_dims(cfg)
     heads = cfg.n_heads // dims.tp
-    kv_heads = heads if cfg.attention == "mla" else max(cfg.n_kv_heads // dims.tp, 1)
+    kv_heads = kv_heads_per_rank(cfg, dims.tp)
     kv = tokens * kv_heads * (d_qk + d_v) * p
     link = link_of(cluster, dims.tp * dims.cp)
     passes = layout.options.microbatches * n_layers
