@@ -230,21 +230,22 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
-    ring_over: set[Layout] = set()  # ring-attention layouts over the budget
+    ring_over: set[tuple] = set()  # ring-attention layouts over the budget, but for their cp_impl
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
-        dims, m = layout.dims, layout.options.microbatches
+        dims, o, m = layout.dims, layout.options, layout.options.microbatches
         lighter = (layout.dims, layout.options)
+        # the settings a search varies, less the micro-batches and the context-parallel implementation
+        settings = (dims, o.schedule, o.virtual_stages, o.zero, layout.recompute)
         if lighter in fits_lighter:
             # none, selective, full come in that order: more recomputation of a layout that fits with less is
             # never faster (the same communication or more, the same compute or more), so it is not evaluated
             continue
-        others = dataclasses.replace(layout, options=dataclasses.replace(layout.options, microbatches=1)) \
-            if dims.pp == 1 else None
+        others = (settings, o.cp_impl) if dims.pp == 1 else None
         if others is not None and fits_with.get(others, m) < m:
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
-        if layout.options.cp_impl != "ring" and _as_ring(layout) in ring_over:
+        if o.cp_impl != "ring" and (settings, m) in ring_over:
             continue  # it keeps all the ring keeps and the whole sequence's keys and values: over too, not listed
         first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo)
         if first.total > cluster.budget:  # over on its first stage: it cannot fit, whichever stage is heaviest
@@ -254,8 +255,8 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             candidate = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, precision, recipe,
                                                     per_token, memo, time_memo))
         (feasible if candidate.fits else rejected).append(candidate)
-        if not candidate.fits and dims.cp > 1 and layout.options.cp_impl == "ring":
-            ring_over.add(layout)
+        if not candidate.fits and dims.cp > 1 and o.cp_impl == "ring":
+            ring_over.add((settings, m))
         elif candidate.fits:
             fits_lighter.add(lighter)
             if dims.pp == 1:
@@ -267,11 +268,6 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
         return estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
     return Plan(feasible, rejected, refused, cluster.budget, recipe, precision, memory_of)
-
-
-def _as_ring(layout: Layout) -> Layout:
-    """`layout` with ring attention for its context parallelism."""
-    return dataclasses.replace(layout, options=dataclasses.replace(layout.options, cp_impl="ring"))
 
 
 def rank_of(plan: Plan, **degrees: int) -> tuple[int | None, Candidate | None]:
