@@ -33,14 +33,14 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   communication) (DeepSeek-AI 2024, §3.2.1).
 * `Recipe`: FP8 GEMMs in the blocks' linears (`fp8_rate`: blockwise at DeepGEMM's rate measured at DeepSeek-V3's
   shapes on H800, else the FP8 peak at the bf16 efficiency; the forward's dispatch in FP8);
-  node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, top_k over
-  NVLink, one after the other).
+  node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, an all-to-all
+  among the nodes, top_k over NVLink, the two hops at once: the slower counts, `expert_all_to_all`).
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
 Left out: the head's imbalance (on the last stage), the matmuls' efficiency by shape (but FP8's on H800/H100),
-element-wise kernels, FP8's quantization, the
-network's congestion and topology beyond one port per GPU, the routing's imbalance, optimizer time.
+element-wise kernels, FP8's quantization, the network's congestion and topology beyond one port per GPU, the
+routing's imbalance, optimizer time.
 """
 
 from __future__ import annotations
