@@ -120,18 +120,32 @@ FP8_BLOCKWISE_CHIPS = ("H800", "H100-SXM")  # DeepGEMM's figures hold for: the s
 # Attention kernels in training (forward + backward), by sequence length: FlashAttention-2 (Dao 2023, "FlashAttention-2:
 # Faster Attention with Better Parallelism and Work Partitioning") as its repository's README charts it
 # (github.com/Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png and flash2_a100_fwd_bwd_benchmark.png,
-# panel (d): causal mask, head dimension 128, bf16/fp16, batch x length = 16k tokens, 2,048 hidden), as (length,
-# TFLOP/s). Its FLOPs are the benchmark's own (`benchmarks/benchmark_flash_attention.py`): the forward's 4·b·s²·h·d
-# halved under the causal mask, the backward 2.5 times the forward (it recomputes the scores): 3.5 forwards in all.
+# head dimension 128, bf16/fp16, batch x length = 16k tokens, 2,048 hidden; panel (d) with the causal mask, panel (b)
+# without: whole tiles, as context parallelism's blocks off the diagonal are; on A100 the 512-token label of (b) is
+# hidden by the legend, so that table starts at 1,024), as (length, TFLOP/s). Its FLOPs are the benchmark's own
+# (`benchmarks/benchmark_flash_attention.py`): the forward's 4·b·s²·h·d halved under the causal mask, the backward 2.5
+# times the forward (it recomputes the scores): 3.5 forwards in all.
 # A kernel benchmark, not a training run. The public kernel both published runs could use for their shapes: Llama 3
 # trained before FlashAttention-3's first release (July 2024), and FlashAttention-3 took DeepSeek-V3's head dimensions
 # (192 for q·k, 128 for p·v) in February 2025 (forward) and April 2025 (backward), after its report. H800 and H200
 # SXM have the H100 SXM's compute die, as for the matmuls above.
-ATTENTION_SOURCE = ("FlashAttention-2's forward + backward, causal, head dim 128, by sequence length "
+ATTENTION_SOURCE = ("FlashAttention-2's forward + backward, head dim 128, by sequence length, causal and whole tiles "
                     "(github.com/Dao-AILab/flash-attention, README benchmark charts, 2023)")
-_FA2_H100 = ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328))
-ATTENTION_KERNEL: dict[str, tuple[tuple[int, float], ...]] = {
-    "A100": ((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189)),
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """An attention kernel's measured training rate by length: with the causal mask and without one (full tiles)."""
+
+    causal: tuple[tuple[int, float], ...]
+    full: tuple[tuple[int, float], ...]
+
+
+_FA2_H100 = AttentionKernel(causal=((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328)),
+                            full=((512, 248), (1024, 294), (2048, 320), (4096, 326), (8192, 335), (16384, 338)))
+ATTENTION_KERNEL: dict[str, AttentionKernel] = {
+    "A100": AttentionKernel(causal=((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189)),
+                            full=((1024, 173), (2048, 187), (4096, 196), (8192, 201), (16384, 203))),
     "H100-SXM": _FA2_H100, "H800": _FA2_H100, "H200-SXM": _FA2_H100}
 ATTENTION_KERNEL_FLOPS = 3.5  # the kernels' work in forwards: 1 forward + a backward of 2.5 (the scores recomputed)
 
@@ -148,8 +162,9 @@ def log2_interpolate(table: tuple[tuple[float, float], ...], x: float) -> float:
 
 @functools.cache  # a search asks for the same few lengths hundreds of thousands of times
 def attention_rate(kernel: tuple[tuple[int, float], ...], key_len: float) -> float:
-    """FLOP/s (the benchmark's count) of an attention kernel of table `kernel` whose queries each meet up to `key_len`
-    keys, interpolated in log2(length) between the table's lengths (its ends held beyond them)."""
+    """FLOP/s (the benchmark's count) of an attention kernel of table `kernel` (`AttentionKernel.causal` or `.full`)
+    whose queries each meet up to `key_len` keys, interpolated in log2(length) between the table's lengths (its ends
+    held beyond them)."""
     return log2_interpolate(kernel, key_len) * 1e12
 
 

@@ -222,37 +222,44 @@ def test_fp8_blockwise_runs_at_deepgemms_measured_rates():
 def test_attention_kernels_run_at_their_measured_rate_by_key_length(capsys):
     """The attention kernels at FlashAttention-2's measured forward + backward rate, in its count of their work (3.5
     forwards, 4.5 when the forward is recomputed, where the model FLOPs count 3 and 4), for the keys each query meets:
-    a ring step's 1/cp chunk (slower: fewer keys per query), the whole sequence under all-gather; the rest of the
-    compute at the matmul rate, unchanged. A chip with no measured kernel keeps the matmul rate, and says so."""
+    a ring step's 1/cp chunk (slower: fewer keys per query), the whole sequence under all-gather and Ulysses; with
+    the causal mask's rate, but for context parallelism's whole blocks off the diagonal (all but 1/(2·cp) of the
+    zigzag chunks' work, at the rate without a mask); the rest of the compute at the matmul rate, unchanged. A chip
+    with no measured kernel keeps the matmul rate, and says so."""
     from minidist.hardware import ATTENTION_KERNEL, attention_rate, log2_interpolate
     from minidist.plan.step_time import attention_seconds, cluster_for_chip, compute_seconds, step_flops_per_rank
 
     table = ((512, 100.0), (2048, 300.0))
     assert log2_interpolate(table, 1024) == pytest.approx(200.0)  # halfway in log2(length)
     assert log2_interpolate(table, 64) == 100.0 and log2_interpolate(table, 10**6) == 300.0  # the ends held
-    for rows in ATTENTION_KERNEL.values():
-        for length, tflops in rows:
-            assert attention_rate(rows, length) == pytest.approx(tflops * 1e12)
-        assert [t for _, t in rows] == sorted(t for _, t in rows)  # longer rows of keys, faster kernels
+    for kernel in ATTENTION_KERNEL.values():
+        for rows in (kernel.causal, kernel.full):
+            for length, tflops in rows:
+                assert attention_rate(rows, length) == pytest.approx(tflops * 1e12)
+            assert [t for _, t in rows] == sorted(t for _, t in rows)  # longer rows of keys, faster kernels
+        assert all(attention_rate(kernel.full, n) > attention_rate(kernel.causal, n) for n, _ in kernel.causal)
     cfg, h100 = get_preset("llama3-8b"), cluster_for_chip("H100-SXM", efficiency=None)
     matmul = h100.peak_flops * h100.efficiency
     for recompute, forwards, kernel in (("none", 3, 3.5), ("full", 4, 4.5)):
         f = step_flops_per_rank(cfg, Layout.of(dp=8, recompute=recompute), 8192, 64)
         assert f.attention_kernel == pytest.approx(f.attention * kernel / forwards)
-        expect = (f.total - f.attention) / matmul + f.attention_kernel / attention_rate(ATTENTION_KERNEL["H100-SXM"],
-                                                                                          8192)
+        fa2 = ATTENTION_KERNEL["H100-SXM"]
+        expect = (f.total - f.attention) / matmul + f.attention_kernel / attention_rate(fa2.causal, 8192)
         assert compute_seconds(f, h100, key_len=8192) == pytest.approx(expect)
     bare = dataclasses.replace(h100, attention_kernel=None)
     assert compute_seconds(f, bare, key_len=8192) == pytest.approx(f.total / matmul)
     assert attention_seconds(f, bare, 8192) == pytest.approx(f.attention / matmul)
     times = {impl: predict_step(cfg, Layout.of(dp=2, cp=4, cp_impl=impl), 8192, 16, h100, BF16_MEGATRON)
-             for impl in ("ring", "allgather")}
+             for impl in ("ring", "allgather", "ulysses")}
     f = step_flops_per_rank(cfg, Layout.of(dp=2, cp=4), 8192, 16)
-    rate = {n: attention_rate(ATTENTION_KERNEL["H100-SXM"], n) for n in (2048, 8192)}
-    assert times["ring"].attention == pytest.approx(f.attention_kernel / rate[2048])
-    assert times["allgather"].attention == pytest.approx(f.attention_kernel / rate[8192])
+
+    def per_flop(n, causal):  # seconds per FLOP of the kernels' work: `causal` of it under the mask, whole tiles else
+        return causal / attention_rate(fa2.causal, n) + (1 - causal) / attention_rate(fa2.full, n)
+    assert times["ring"].attention == pytest.approx(f.attention_kernel * per_flop(2048, 1 / 8))
+    assert times["allgather"].attention == pytest.approx(f.attention_kernel * per_flop(8192, 1 / 8))
+    assert times["ulysses"].attention == pytest.approx(f.attention_kernel * per_flop(8192, 1.0))
     assert times["ring"].compute - times["allgather"].compute == pytest.approx(
-        f.attention_kernel * (1 / rate[2048] - 1 / rate[8192]))
+        f.attention_kernel * (per_flop(2048, 1 / 8) - per_flop(8192, 1 / 8)))
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--top", "1"]) == 0
     assert "attention kernels at FlashAttention-2's forward + backward" in capsys.readouterr().out
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--top", "1", "--gpu", "B200"]) == 0

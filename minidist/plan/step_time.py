@@ -7,7 +7,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   the chip's published best matmul throughput, `hardware.MATMUL_EFFICIENCY`), but the attention kernels' (scores
   and values) at a measured attention kernel's rate for the length of keys each query meets (`Cluster.attention_kernel`,
   `hardware.ATTENTION_KERNEL`: FlashAttention-2's forward + backward on the chip; the sequence, or its 1/cp chunk
-  under ring context parallelism), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the
+  under ring context parallelism; with the causal mask, but for context parallelism's whole blocks off the
+  diagonal), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the
   scores recomputed). MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by
   tp.
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
@@ -56,6 +57,7 @@ from minidist.hardware import (
     DEEPGEMM_SOURCE,
     FP8_BLOCKWISE_CHIPS,
     MAMF_SOURCE,
+    AttentionKernel,
     Link,
     attention_rate,
     chip,
@@ -90,8 +92,7 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
     fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
-    # an attention kernel's measured (key length, TFLOP/s) in training (None: attention at the matmul rate)
-    attention_kernel: tuple[tuple[int, float], ...] | None = None
+    attention_kernel: AttentionKernel | None = None  # its measured rates by length (None: at the matmul rate)
 
     @property
     def budget(self) -> float:
@@ -235,27 +236,34 @@ def fp8_source(cluster: Cluster, fp8: str) -> str:
 
 
 def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0,
-                    key_len: float = 0.0) -> float:
+                    key_len: float = 0.0, causal_share: float = 1.0) -> float:
     """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak but the attention kernels'
-    (`attention_seconds` for queries meeting `key_len` keys); under FP8 (`fp8` a recipe's name) the blocks' linears
-    at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The FP8 recipe's quantization (casts and
-    scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
-    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
+    (`attention_seconds` for queries meeting `key_len` keys, `causal_share` of the work under the causal mask);
+    under FP8 (`fp8` a recipe's name) the blocks' linears at `fp8_rate`, the routed experts' at their rate for
+    `rows_per_expert`. The FP8 recipe's quantization (casts and scales, element-wise passes over the linears' inputs
+    and gradients) is not charged: fused into the GEMMs' neighbours in DeepSeek-V3's kernels, and small against the
+    GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
     bf16 = flops.total - flops.attention - (flops.linears if fp8 else 0.0)
-    seconds = bf16 / rate + attention_seconds(flops, cluster, key_len)
+    seconds = bf16 / rate + attention_seconds(flops, cluster, key_len, causal_share)
     if not fp8:
         return seconds
     return (seconds + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
             + flops.experts / fp8_rate(cluster, fp8, rows_per_expert))
 
 
-def attention_seconds(flops: RankFlops, cluster: Cluster, key_len: float) -> float:
+def attention_seconds(flops: RankFlops, cluster: Cluster, key_len: float, causal_share: float = 1.0) -> float:
     """Seconds of the attention kernels whose queries meet up to `key_len` keys: their work at the cluster's measured
-    attention kernel's rate for that length, or their FLOPs at the matmul rate where none was measured."""
-    if cluster.attention_kernel is None:
+    attention kernel's rates for that length, `causal_share` of it at the causal mask's and the rest at whole
+    tiles' (context parallelism's blocks off the diagonal), or their FLOPs at the matmul rate where none was
+    measured."""
+    kernel = cluster.attention_kernel
+    if kernel is None:
         return flops.attention / (cluster.peak_flops * cluster.efficiency)
-    return flops.attention_kernel / attention_rate(cluster.attention_kernel, key_len)
+    per_flop = causal_share / attention_rate(kernel.causal, key_len)
+    if causal_share < 1:
+        per_flop += (1 - causal_share) / attention_rate(kernel.full, key_len)
+    return flops.attention_kernel * per_flop
 
 
 @dataclass(frozen=True)
@@ -299,10 +307,13 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
     # each expert gets its share of the top-k rows of the ep ranks' tokens (balanced routing)
     rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
-    # the keys each query meets in one kernel: a ring step's chunk, else the whole sequence (all-gather, Ulysses)
+    # the keys each query meets in one kernel: a ring step's chunk, else the whole sequence (all-gather, Ulysses);
+    # the ring and the all-gather split each sequence into 2·cp zigzag chunks: of a rank's blocks of queries and
+    # keys only the diagonal ones are causal, 1/(2·cp) of the work, the others whole tiles
     key_len = seq_len // dims.cp if o.cp_impl == "ring" else seq_len
-    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert, key_len)
-    attention = attention_seconds(flops, cluster, key_len)
+    causal = 1.0 if dims.cp == 1 or o.cp_impl == "ulysses" else 1 / (2 * dims.cp)
+    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert, key_len, causal)
+    attention = attention_seconds(flops, cluster, key_len, causal)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
     n_layers = dense_layers + moe_layers
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
