@@ -5,12 +5,11 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   recomputation adds one more forward of the blocks; selective adds no matmul) split over the ranks, the blocks' at
   the pace of the pipeline stage with the most of them, at `Cluster.efficiency` of the chip's dense peak (by default
   the chip's published best matmul throughput, `hardware.MATMUL_EFFICIENCY`), but the attention kernels' (scores
-  and values) at a measured attention kernel's rate for the length of keys each query meets (`Cluster.attention_kernel`,
+  and values): at a measured attention kernel's rate for the keys each query meets (`Cluster.attention_kernel`,
   `hardware.ATTENTION_KERNEL`: FlashAttention-2's forward + backward on the chip; the sequence, or its 1/cp chunk
   under ring context parallelism; with the causal mask, but for context parallelism's whole blocks off the
-  diagonal), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the
-  scores recomputed). MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by
-  tp.
+  diagonal), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the scores recomputed).
+  MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by tp.
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
   its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
   tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
