@@ -173,6 +173,9 @@ def test_explain_prints_every_stage_and_the_terms(capsys):
     stages = [line for line in out.splitlines() if line[:5].strip().isdigit()]
     assert len(stages) == 16 and sum("<- heaviest" in line for line in stages) == 1
     assert "compute" in out and "bubble" in out and "dp exposed" in out and "not modelled: kernels' efficiency" in out
+    assert "queries meet up to 8,192 keys per kernel, 100% of their work under the causal mask" in out
+    assert main([*LLAMA_16K, "--explain", "dp=32 tp=4 pp=16 cp=8 ep=1"]) == 0  # a ring: chunks, 1/16 causal
+    assert "queries meet up to 1,024 keys per kernel, 6% of their work under the causal mask" in capsys.readouterr().out
     assert main([*LLAMA_16K, "--explain", "dp=128 tp=8 pp=16 cp=1 ep=1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert tuple(row)[:-1] == JSON_KEYS and row["fits"] is True and row["rank"] > 1

@@ -15,13 +15,21 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
 from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import DEFAULT_RECIPE, Cluster, Recipe, StepTime, TokenFlops, predict_step
+from minidist.plan.step_time import (
+    DEFAULT_RECIPE,
+    Cluster,
+    Recipe,
+    StepTime,
+    TokenFlops,
+    attention_shape,
+    predict_step,
+)
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at DeepGEMM's "
             "rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the bf16 "
-            "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length only, "
-            "at head dim 128 whatever the model's)",
+            "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length and mask "
+            "only, at head dim 128 whatever the model's)",
             "element-wise kernels (norms, activations, residual adds, RoPE)",
             "Ulysses context parallelism in the search (--explain cp_impl=ulysses models it; the search tries the ring "
             "and the all-gather)",
@@ -88,6 +96,9 @@ def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepT
              f"memory per rank by pipeline stage (GiB; {budget / GIB:.1f} usable), micro-batch of {micro_batch} "
              f"sequences:"]
     lines += stage_table(cfg, layout, seq_len, micro_batch, precision)
+    key_len, causal = attention_shape(layout, seq_len)
     lines += ["step time:"] + time_terms(time)
+    lines += [f"  the attention kernels: queries meet up to {key_len:,} keys per kernel, {causal:.0%} of their work "
+              "under the causal mask (the rest whole tiles)"]
     lines += ["not modelled: " + "; ".join(LEFT_OUT)]
     return "\n".join(lines)

@@ -306,11 +306,7 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     tokens = b * seq_len // dims.cp  # per rank and micro-batch
     # each expert gets its share of the top-k rows of the ep ranks' tokens (balanced routing)
     rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
-    # the keys each query meets in one kernel: a ring step's chunk, else the whole sequence (all-gather, Ulysses);
-    # the ring and the all-gather split each sequence into 2·cp zigzag chunks: of a rank's blocks of queries and
-    # keys only the diagonal ones are causal, 1/(2·cp) of the work, the others whole tiles
-    key_len = seq_len // dims.cp if o.cp_impl == "ring" else seq_len
-    causal = 1.0 if dims.cp == 1 or o.cp_impl == "ulysses" else 1 / (2 * dims.cp)
+    key_len, causal = attention_shape(layout, seq_len)
     compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert, key_len, causal)
     attention = attention_seconds(flops, cluster, key_len, causal)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
@@ -344,6 +340,16 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     share = overlap / (ep + pp) if overlap else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap,
                     attention)
+
+
+def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
+    """(keys each query meets in one attention kernel, the share of the kernels' work under the causal mask): a ring
+    step's chunk, else the whole sequence (all-gather, Ulysses); the ring and the all-gather split each sequence
+    into 2·cp zigzag chunks, and of a rank's blocks of queries and keys only the diagonal ones are causal, 1/(2·cp)
+    of the work, the others whole tiles."""
+    dims, impl = layout.dims, layout.options.cp_impl
+    key_len = seq_len // dims.cp if impl == "ring" else seq_len
+    return key_len, 1.0 if dims.cp == 1 or impl == "ulysses" else 1 / (2 * dims.cp)
 
 
 def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, tokens: int, p: int, n_layers: int,
