@@ -68,7 +68,8 @@ from minidist.hardware import (
     peak_flops,
 )
 from minidist.model.config import ModelConfig
-from minidist.parallel.cp.core import kv_heads_per_rank
+from minidist.parallel.cp.core import LAYOUT_OF, kv_heads_per_rank
+from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
 from minidist.parallel.cp.traffic import attention_dims
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
@@ -345,11 +346,14 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
 def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
     """(keys each query meets in one attention kernel, the share of the kernels' work under the causal mask): a ring
     step's chunk, else the whole sequence (all-gather, Ulysses); the ring and the all-gather split each sequence
-    into 2·cp zigzag chunks, and of a rank's blocks of queries and keys only the diagonal ones are causal, 1/(2·cp)
-    of the work, the others whole tiles."""
+    into n·cp chunks as the trainer does (`cp.core.LAYOUT_OF`: zigzag, n = 2), and of a rank's blocks of queries
+    and keys only the n diagonal ones are causal, 1/(n·cp) of the work, the others whole tiles; Ulysses attends
+    whole sequences (of its heads) under the causal mask."""
     dims, impl = layout.dims, layout.options.cp_impl
     key_len = seq_len // dims.cp if impl == "ring" else seq_len
-    return key_len, 1.0 if dims.cp == 1 or impl == "ulysses" else 1 / (2 * dims.cp)
+    if dims.cp == 1 or impl == "ulysses":
+        return key_len, 1.0
+    return key_len, 1 / (sequence_chunks(LAYOUT_OF[impl]) * dims.cp)
 
 
 def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, tokens: int, p: int, n_layers: int,
