@@ -99,6 +99,6 @@ def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepT
     key_len, causal = attention_shape(layout, seq_len)
     lines += ["step time:"] + time_terms(time)
     lines += [f"  the attention kernels: queries meet up to {key_len:,} keys per kernel, {causal:.0%} of their work "
-              "under the causal mask (the rest whole tiles)"]
+              "under the causal mask" + (" (the rest whole tiles)" if causal < 1 else "")]
     lines += ["not modelled: " + "; ".join(LEFT_OUT)]
     return "\n".join(lines)

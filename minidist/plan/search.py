@@ -234,7 +234,8 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
         dims, o, m = layout.dims, layout.options, layout.options.microbatches
         lighter = (layout.dims, layout.options)
-        # the settings a search varies, less the micro-batches and the context-parallel implementation
+        # the settings a search varies, less the micro-batches and the context-parallel implementation (the options
+        # `candidate_layouts` holds fixed, e.g. loss_chunk, are left out: add any it comes to vary)
         settings = (dims, o.schedule, o.virtual_stages, o.zero, layout.recompute)
         if lighter in fits_lighter:
             # none, selective, full come in that order: more recomputation of a layout that fits with less is

@@ -348,7 +348,9 @@ def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
     step's chunk, else the whole sequence (all-gather, Ulysses); the ring and the all-gather split each sequence
     into n·cp chunks as the trainer does (`cp.core.LAYOUT_OF`: zigzag, n = 2), and of a rank's blocks of queries
     and keys only the n diagonal ones are causal, 1/(n·cp) of the work, the others whole tiles; Ulysses attends
-    whole sequences (of its heads) under the causal mask."""
+    whole sequences (of its heads) under the causal mask. The lengths are those of the fused context-parallel
+    kernels large runs use (a ring step over this rank's T/cp keys, the all-gather's queries over all T keys); this
+    trainer's CPU-first blockwise kernel runs one chunk pair, T/(2·cp) keys, per call."""
     dims, impl = layout.dims, layout.options.cp_impl
     key_len = seq_len // dims.cp if impl == "ring" else seq_len
     if dims.cp == 1 or impl == "ulysses":
