@@ -70,7 +70,7 @@ from minidist.hardware import (
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.core import LAYOUT_OF, kv_heads_per_rank
 from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
-from minidist.parallel.cp.traffic import attention_dims
+from minidist.parallel.cp.traffic import attention_dims, kv_width
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
@@ -373,7 +373,7 @@ def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, to
     d_qk, d_v = attention_dims(cfg)
     heads = cfg.n_heads // dims.tp
     kv_heads = kv_heads_per_rank(cfg, dims.tp)
-    kv = tokens * kv_heads * (d_qk + d_v) * p
+    kv = tokens * kv_width(cfg, dims.tp) * p
     link = link_of(cluster, dims.tp * dims.cp)
     passes = layout.options.microbatches * n_layers
     again = 0 if layout.recompute == "none" else 1

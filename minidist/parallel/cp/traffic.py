@@ -20,6 +20,12 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.head_dim, cfg.head_dim
 
 
+def kv_width(cfg: ModelConfig, tp: int = 1) -> int:
+    """Values in one token's keys and values on a tp rank: what context parallelism moves and all-gather keeps."""
+    d_qk, d_v = attention_dims(cfg)
+    return kv_heads_per_rank(cfg, tp) * (d_qk + d_v)
+
+
 def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, cp: int, tp: int = 1,
                         layers: Sequence[int] | None = None, rank: int = 0, element_size: int = 4
                         ) -> dict[tuple[str, str], dict[str, int]]:
