@@ -130,15 +130,16 @@ def test_blockwise_context_parallel_kernel_keeps_documents_apart_in_fp64(rank):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     with torch.no_grad(), warnings.catch_warnings():  # all-gather's CUDA kernel: flex over the gathered keys
         warnings.simplefilter("ignore")  # (run eagerly here, forward only: flex has no backward on a CPU)
-        flex = gathered_document_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], ids, torch.tensor(mine),
-                                           torch.tensor(keys))
+        def positions():
+            return torch.tensor(mine), torch.tensor(keys)
+        flex = gathered_document_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], ids, positions)
         docs = Documents.build(ids)  # the model's: one BlockMask per forward, shared by every block
-        again = [gathered_document_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], docs, torch.tensor(mine),
-                                             torch.tensor(keys)) for _ in range(2)]
+        again = [gathered_document_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], docs, positions)
+                 for _ in range(2)]
     torch.testing.assert_close(flex, full, rtol=0, atol=1e-12)
     for out in again:
         torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
-    assert docs.gathered is docs.gathered_mask(torch.tensor(mine), torch.tensor(keys))  # built once
+    assert docs.gathered is docs.gathered_mask(positions)  # built once
     assert docs.flex_mask() is None and docs.block_mask is None  # no whole-sequence mask off CUDA, none unasked
 
 

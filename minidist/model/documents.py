@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 Docs = list[torch.Tensor] | None  # per micro-batch, the document ids [B, T] of its inputs (--doc-mask); None: no mask
+Positions = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the global positions of queries [Tq] and keys [Tk]
 
 
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
@@ -105,11 +106,11 @@ class Documents:
                                                 _compile=True)
         return self.block_mask
 
-    def gathered_mask(self, q_index: torch.Tensor, k_index: torch.Tensor) -> object:
-        """The BlockMask of queries and keys at these global positions (`gathered_document_attention`), built once
-        per forward: a cp rank's positions are the same in every block."""
+    def gathered_mask(self, positions: Positions) -> object:
+        """The BlockMask of queries and keys at the global positions `positions()` gives (`gathered_block_mask`),
+        built once per forward, the positions asked for only then: a cp rank's are the same in every block."""
         if self.gathered is None:
-            self.gathered = gathered_block_mask(self.ids, q_index, k_index)
+            self.gathered = gathered_block_mask(self.ids, *positions())
         return self.gathered
 
 
@@ -128,14 +129,19 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
 
 
 def gathered_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor | Documents,
-                                q_index: torch.Tensor, k_index: torch.Tensor, scale: float | None = None
-                                ) -> torch.Tensor:
-    """Queries and keys at any global positions of the sequence whose ids [B, T] are given (`q_index` [Tq],
-    `k_index` [Tk]: context parallelism's zig-zag queries against the all-gathered keys in shard order), through
-    flex attention with the BlockMask of (key <= query by global position, and one document). The chunks are runs
-    of consecutive positions, so the tiles stay whole or empty as in one sequence. Autograd is flex's own."""
-    mask = ids.gathered_mask(q_index, k_index) if isinstance(ids, Documents) else \
-        gathered_block_mask(ids, q_index, k_index)
+                                positions: Positions, scale: float | None = None) -> torch.Tensor:
+    """Queries and keys at any global positions of the sequence whose ids [B, T] are given (`positions()`: the
+    queries' [Tq] and the keys' [Tk], context parallelism's zig-zag queries against the all-gathered keys in shard
+    order), through flex attention with the BlockMask of (key <= query by global position, and one document); with
+    `Documents`, the mask it built for this forward. The chunks are runs of consecutive positions, so the tiles stay
+    whole or empty as in one sequence. Autograd is flex's own."""
+    mask = ids.gathered_mask(positions) if isinstance(ids, Documents) else gathered_block_mask(ids, *positions())
+    return _masked_flex(q, k, v, mask, scale)
+
+
+def _masked_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scale: float | None
+                 ) -> torch.Tensor:
+    """flex attention of q to k, v under BlockMask `mask` (GQA when they have fewer heads than q)."""
     return _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -152,8 +158,8 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
                        scale: float | None = None) -> torch.Tensor:
     """Block-diagonal causal attention of q [B, H, T, d] to k, v [B, H_kv, T, ·] (GQA as `causal_attention`):
     flex attention where `docs` holds a BlockMask (CUDA), else SDPA with the dense bool mask."""
-    gqa = q.shape[1] != k.shape[1]
     mask = docs.flex_mask()
     if mask is not None:
-        return _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.ids), scale=scale, enable_gqa=gqa)
+        return _masked_flex(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.ids), scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

@@ -12,6 +12,8 @@ sequence| bytes (gather forward, reduce-scatter backward).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minidist.comm.communicator import Comm
@@ -56,8 +58,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm:
     seq_len = q.shape[2] * cp
     k_all, v_all = gather_sequence(k, comm), gather_sequence(v, comm)
     if docs is not None and q.device.type == "cuda":
-        positions = gathered_positions(seq_len, comm.rank, cp, layout, q.device)
-        return gathered_document_attention(q, k_all, v_all, docs, *positions, scale)
+        positions = functools.partial(gathered_positions, seq_len, comm.rank, cp, layout, q.device)
+        return gathered_document_attention(q, k_all, v_all, docs, positions, scale)  # asked for once per forward
     key_spans = [span for rank in range(cp) for span in shard_spans(seq_len, rank, cp, layout)]  # in shard order
     q_spans = shard_spans(seq_len, comm.rank, cp, layout)
     ids = docs.ids if isinstance(docs, Documents) else docs

@@ -25,6 +25,7 @@ dp_cp group) exactly as data parallelism reduces over replicas; the loss is norm
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,9 +101,8 @@ class ContextParallelAttention(nn.Module):
         if self.impl == "ulysses":
             docs.flex_mask()
         elif self.impl == "allgather" and docs.ids.device.type == "cuda":
-            positions = gathered_positions(docs.ids.shape[1], self.comm.rank, self.comm.size, self.layout,
-                                           docs.ids.device)
-            docs.gathered_mask(*positions)
+            docs.gathered_mask(functools.partial(gathered_positions, docs.ids.shape[1], self.comm.rank,
+                                                 self.comm.size, self.layout, docs.ids.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                 docs: Documents | None = None) -> torch.Tensor:
