@@ -21,10 +21,11 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from minidist.comm.cost_model import alpha_beta_time
+from minidist.comm.cost_model import alpha_beta_time, cost_terms
 
 GB = 1e9  # vendors' GB are 10^9 bytes
 GIB = 2**30
@@ -288,6 +289,13 @@ def link_of(node: Node, group_size: int) -> Link:
 def collective_time(op: str, nbytes: float, p: int, link: Link) -> float:
     """Seconds for collective `op` on `nbytes` over p ranks joined by `link`: α·steps + β·bytes (cost_model)."""
     return alpha_beta_time(op, nbytes, p, link.latency, link.beta)
+
+
+def ledger_time(totals: Mapping[tuple[str, str], Mapping[str, float]], p: int, link: Link) -> float:
+    """Seconds for the traffic of a ledger's totals (`Ledger.totals()`, or a formula of that shape) on one group of p
+    ranks joined by `link`: each call pays α per step of its algorithm (`cost_terms`), each byte sent β."""
+    return sum(link.latency * cost_terms(op, 1.0, p)[0] * entry["calls"] + link.beta * entry["bytes"]
+               for (op, _), entry in totals.items())
 
 
 def compute_time(flops: float, chip: str, mfu: float = 1.0) -> float:

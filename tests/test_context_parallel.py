@@ -48,6 +48,7 @@ from minidist.parallel.cp import (
     validate_context_parallel,
 )
 from minidist.parallel.placement import full_tensor, placement_of
+from minidist.train.blocks import apply_recompute
 
 GPT_CFG = CFG.replace(mlp="gelu", norm="layernorm", bias=True, position="learned")  # positions through pos_emb
 MLA_CFG = CFG.replace(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -70,6 +71,11 @@ LAYOUTS = {
         "cp2 mla ring": ("mla", dict(cp=2), dict(cp_impl="ring"), 2),
         "cp2 mla ulysses": ("mla", dict(cp=2), dict(cp_impl="ulysses"), 2),
         "cp2 gpt allgather 2mb": ("gpt", dict(cp=2), dict(cp_impl="allgather", microbatches=2), 2),
+        # full recomputation: each block's forward, its attention's traffic with it, runs again in the backward
+        "cp2 ring recompute": ("llama", dict(cp=2), dict(cp_impl="ring", recompute="full"), 2),
+        "cp2 allgather recompute": ("llama", dict(cp=2), dict(cp_impl="allgather", recompute="full"), 2),
+        "cp2 ulysses recompute": ("llama", dict(cp=2), dict(cp_impl="ulysses", recompute="full"), 2),
+        "cp2 moe ring recompute": ("moe", dict(cp=2), dict(cp_impl="ring", recompute="full"), 2),
     },
     4: {
         "cp4 ring": ("llama", dict(cp=4), dict(cp_impl="ring"), 3),
@@ -102,7 +108,11 @@ def _full_grads(parallel, topo: Topology) -> dict[str, torch.Tensor]:
 def _train(label: str, cfg_name: str, dims: dict, options: dict, steps: int) -> dict:
     cfg = CONFIGS[cfg_name]
     topo = Topology(ParallelDims(**dims), dist.get_rank(), dist.get_world_size())
-    parallel = parallelize(build_model(cfg, seed=SEED), cfg, topo, ParallelOptions(**options),
+    options = dict(options)
+    model = build_model(cfg, seed=SEED)
+    if options.get("recompute", "none") != "none":
+        apply_recompute(model, options.pop("recompute"))  # as the trainer does, before parallelize
+    parallel = parallelize(model, cfg, topo, ParallelOptions(**options),
                            lambda model: make_optimizer(model.parameters()))
     microbatches = options.get("microbatches", 1)
     rows = GLOBAL_BATCH // topo.size("dp")
@@ -227,7 +237,8 @@ def test_ledger_equals_the_formula(world_size: int, label: str) -> None:
     for rank_out in results(world_size):
         run = rank_out[label]
         want = expected_cp_traffic(cfg, options["cp_impl"], run["batch"], SEQ_LEN, dims["cp"], dims.get("tp", 1),
-                                   layers=run["layers"], rank=run["cp_rank"])
+                                   layers=run["layers"], rank=run["cp_rank"],
+                                   recomputed=options.get("recompute") == "full")
         want = {key: {k: v * run["microbatches"] for k, v in entry.items()} for key, entry in want.items()}
         assert run["traffic"] == want, f"{label}: ledger {run['traffic']} != formula {want}"
 

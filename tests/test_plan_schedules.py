@@ -245,9 +245,9 @@ def test_attention_kernels_run_at_their_measured_rate_by_key_length(capsys):
         assert f.attention_kernel == pytest.approx(f.attention * kernel / forwards)
         fa2 = ATTENTION_KERNEL["H100-SXM"]
         expect = (f.total - f.attention) / matmul + f.attention_kernel / attention_rate(fa2.causal, 8192)
-        assert compute_seconds(f, h100, key_len=8192) == pytest.approx(expect)
+        assert compute_seconds(f, h100, attention_seconds(f, h100, 8192)) == pytest.approx(expect)
     bare = dataclasses.replace(h100, attention_kernel=None)
-    assert compute_seconds(f, bare, key_len=8192) == pytest.approx(f.total / matmul)
+    assert compute_seconds(f, bare, attention_seconds(f, bare, 8192)) == pytest.approx(f.total / matmul)
     assert attention_seconds(f, bare, 8192) == pytest.approx(f.attention / matmul)
     times = {impl: predict_step(cfg, Layout.of(dp=2, cp=4, cp_impl=impl), 8192, 16, h100, BF16_MEGATRON)
              for impl in ("ring", "allgather", "ulysses")}
@@ -267,9 +267,11 @@ def test_attention_kernels_run_at_their_measured_rate_by_key_length(capsys):
 
 
 def test_context_parallelism_by_implementation():
-    """Ring: its sends overlap the attention kernels, only the excess exposed; all-gather (Llama 3's): per block
-    forward an all-gather of the whole sequence's K and V, per backward a reduce-scatter of their gradients, another
-    all-gather when the forward is recomputed, all exposed; Ulysses: q, k, v and the output through an all-to-all
+    """The traffic chapter 10's kernels send (their ledger's formula), by the α-β model. Ring: per block forward
+    cp−1 sends each of this rank's K and V, per backward those again plus cp hops of their fp32 gradient
+    accumulators, the forward's again when recomputed; overlapped with the attention kernels, only the excess
+    exposed. All-gather (Llama 3's): per block forward an all-gather each of the whole sequence's K and V, per
+    backward a reduce-scatter of each gradient, exposed; Ulysses: q, k, v and the output through an all-to-all
     each, forward and backward, exposed. The search tries the ring and the all-gather for cp > 1; an all-gather
     layout keeps more than its ring twin (the whole sequence's keys and values), so a ring layout over the budget
     spares the search its twin."""
@@ -277,27 +279,28 @@ def test_context_parallelism_by_implementation():
     from minidist.plan.step_time import cluster_for_chip, context_parallel_time
 
     cfg, h100 = get_preset("llama3-8b"), cluster_for_chip("H100-SXM", efficiency=None)
-    tokens, p, layers, m = 2048, 2, 4, 3
-    kv = tokens * (cfg.n_kv_heads // 2) * 2 * cfg.head_dim * p  # tp 2: this rank's K and V heads
+    seq_len, tokens, p, layers, m = 8192, 2048, 2, 4, 3  # one sequence per micro-batch over cp 4
+    k = tokens * (cfg.n_kv_heads // 2) * cfg.head_dim * p  # tp 2: this rank's K (and as many bytes of V)
     link = link_of(h100, 2 * 4)
     for recompute, again in (("none", 0), ("full", 1)):
-        def of(impl, recompute=recompute):
-            return context_parallel_time(cfg, Layout.of(tp=2, cp=4, cp_impl=impl, microbatches=m,
-                                                        recompute=recompute), h100, tokens, p, layers, 1.0)
-        gather = (1 + again) * collective_time("all_gather", 4 * kv, 4, link)
-        assert of("allgather") == (pytest.approx(m * layers * (gather + collective_time("reduce_scatter", 4 * kv, 4,
-                                                                                         link))), 0.0)
-        widths = [cfg.n_heads // 2 * cfg.head_dim, kv / (tokens * p) / 2, kv / (tokens * p) / 2,
+        def of(impl, recompute=recompute, tp=2):
+            return context_parallel_time(cfg, Layout.of(tp=tp, cp=4, cp_impl=impl, microbatches=m,
+                                                        recompute=recompute), h100, 1, seq_len, p, (layers, 0), 1.0)
+        gather = (1 + again) * 2 * collective_time("all_gather", 4 * k, 4, link)
+        assert of("allgather") == (pytest.approx(m * layers * (gather + 2 * collective_time("reduce_scatter", 4 * k,
+                                                                                            4, link))), 0.0)
+        widths = [cfg.n_heads // 2 * cfg.head_dim, k / (tokens * p), k / (tokens * p),
                   cfg.n_heads // 2 * cfg.head_dim]  # 4 kv heads per tp rank: as many as cp ranks
-        few = context_parallel_time(cfg, Layout.of(tp=4, cp=4, cp_impl="ulysses", microbatches=m,
-                                                   recompute=recompute), h100, tokens, p, layers, 1.0)[0]
+        few = of("ulysses", tp=4)[0]
         copied = [cfg.n_heads // 4 * cfg.head_dim, 4 * cfg.head_dim, 4 * cfg.head_dim, cfg.n_heads // 4 * cfg.head_dim]
         link4 = link_of(h100, 16)  # 2 kv heads per tp rank, copied to the 4 ranks
         assert few == pytest.approx(m * layers * (2 + again) * sum(
             collective_time("all_to_all", tokens * w * p, 4, link4) for w in copied))
         per_pass = sum(collective_time("all_to_all", tokens * w * p, 4, link) for w in widths)
         assert of("ulysses") == (pytest.approx(m * layers * per_pass * (2 + again)), 0.0)
-        ring = m * layers * 3 * collective_time("send", kv, 2, link) * (3 + again)
+        blocks = (2 + again) * 3 * 2 * collective_time("send", k, 2, link)  # K and V, 3 hops, each forward + backward
+        accumulators = 4 * 2 * collective_time("send", 2 * k, 2, link)  # dK and dV in fp32, 4 hops
+        ring = m * layers * (blocks + accumulators)
         assert sum(of("ring")) == pytest.approx(ring) and of("ring")[0] == pytest.approx(max(0.0, ring - 1.0))
     v3 = get_preset("deepseek-v3")
     for model in (cfg, v3):  # GQA and MLA: the all-gather keeps the whole sequence's keys and values on top

@@ -17,9 +17,9 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   (`hardware.link_of`).
     tp   2 all-reduces (sequence parallel: reduce-scatter + all-gather, the same bytes) per dense block forward,
          2 backward, 2 more when the forward is recomputed; one region in an MoE block (attention)   exposed
-    cp   ring: cp−1 sends of this rank's K and V per block forward, twice that backward; overlapped with the
-         attention's own compute (chapter 10), only the excess is exposed. All-gather (as Llama 3 runs it) and
-         Ulysses: their collectives per block, exposed (`context_parallel_time`)
+    cp   what chapter 10's kernels send per block (`cp.traffic.expected_cp_traffic`, the formula their ledger
+         equals): the ring's sends overlapped with the attention kernels, only the excess exposed; all-gather (as
+         Llama 3 runs it) and Ulysses: their collectives, exposed (`context_parallel_time`)
     ep   dispatch + combine all-to-all per MoE block, forward and backward (+ forward again if recomputed)  exposed
     pp   one activation per micro-batch and chunk boundary forward, one gradient backward               exposed
     dp   gradients over dp·cp (dense) and edp (experts), ZeRO's collectives (`zero_bytes.zero_comm_bytes`):
@@ -63,14 +63,15 @@ from minidist.hardware import (
     collective_time,
     expert_gemm_rate,
     gemm_rate,
+    ledger_time,
     link_of,
     node_chips,
     peak_flops,
 )
 from minidist.model.config import ModelConfig
-from minidist.parallel.cp.core import LAYOUT_OF, kv_heads_per_rank
+from minidist.parallel.cp.core import LAYOUT_OF
 from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
-from minidist.parallel.cp.traffic import attention_dims, kv_width
+from minidist.parallel.cp.traffic import expected_cp_traffic
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
@@ -235,17 +236,17 @@ def fp8_source(cluster: Cluster, fp8: str) -> str:
     return f"the {cluster.fp8_peak_flops / 1e12:,.0f} TFLOP/s FP8 peak at the bf16 matmul efficiency"
 
 
-def compute_seconds(flops: RankFlops, cluster: Cluster, fp8: str = "", rows_per_expert: float = 0.0,
-                    key_len: float = 0.0, causal_share: float = 1.0) -> float:
+def compute_seconds(flops: RankFlops, cluster: Cluster, attention: float, fp8: str = "",
+                    rows_per_expert: float = 0.0) -> float:
     """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak but the attention kernels'
-    (`attention_seconds` for queries meeting `key_len` keys, `causal_share` of the work under the causal mask);
+    (their `attention` seconds, from `attention_seconds`);
     under FP8 (`fp8` a recipe's name) the blocks' linears at `fp8_rate`, the routed experts' at their rate for
     `rows_per_expert`. The FP8 recipe's quantization (casts and scales, element-wise passes over the linears' inputs
     and gradients) is not charged: fused into the GEMMs' neighbours in DeepSeek-V3's kernels, and small against the
     GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
     bf16 = flops.total - flops.attention - (flops.linears if fp8 else 0.0)
-    seconds = bf16 / rate + attention_seconds(flops, cluster, key_len, causal_share)
+    seconds = bf16 / rate + attention
     if not fp8:
         return seconds
     return (seconds + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
@@ -308,10 +309,9 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     # each expert gets its share of the top-k rows of the ep ranks' tokens (balanced routing)
     rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
     key_len, causal = attention_shape(layout, seq_len)
-    compute = compute_seconds(flops, cluster, recipe.fp8, rows_per_expert, key_len, causal)
     attention = attention_seconds(flops, cluster, key_len, causal)
+    compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
-    n_layers = dense_layers + moe_layers
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
     # collectives between them (tp's reductions, cp's ring, ep's all-to-alls), not its matmuls
     again = 0 if layout.recompute == "none" else 1
@@ -321,7 +321,8 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     if dims.tp > 1:
         calls = (2 * dense_layers + moe_layers) * (2 + again)
         tp = m * calls * collective_time("all_reduce", act, dims.tp, link_of(cluster, dims.tp))
-    cp_exposed, cp_hidden = context_parallel_time(cfg, layout, cluster, tokens, p, n_layers, attention)
+    cp_exposed, cp_hidden = context_parallel_time(cfg, layout, cluster, b, seq_len, p, (dense_layers, moe_layers),
+                                                  attention)
     ep = 0.0
     if dims.ep > 1 and moe_layers:
         # dispatch + combine forward, their gradients backward (+ the forward's again when recomputed); an FP8
@@ -358,38 +359,28 @@ def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
     return key_len, 1 / (sequence_chunks(LAYOUT_OF[impl]) * dims.cp)
 
 
-def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, tokens: int, p: int, n_layers: int,
-                          attention: float) -> tuple[float, float]:
-    """(exposed, hidden) seconds of context parallelism's traffic per step, `tokens` per rank and micro-batch over
-    `n_layers` blocks, by implementation (chapter 10), each block's forward again under recomputation:
-    ring: cp−1 sends of this rank's K and V per forward, twice that backward, overlapped with the attention kernels
-    (`attention` seconds) and exposed beyond them; all-gather: the whole sequence's K and V gathered per forward,
-    their gradients reduce-scattered per backward, exposed (as Llama 3 runs it, §3.3.2: "the all-gather
-    communication latency is exposed in the critical path"); Ulysses: q, k, v and the output through an all-to-all
-    each per forward, their gradients per backward, exposed."""
+def context_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, sequences: int, seq_len: int, p: int,
+                          kinds: tuple[int, int], attention: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of context parallelism's traffic per step on the busiest pipeline rank: what
+    chapter 10's kernels send (`cp.traffic.expected_cp_traffic`, the ledger a run must equal, each block's forward
+    again under recomputation) for each micro-batch of `sequences` sequences of `seq_len` tokens through the rank's
+    `kinds` (dense, MoE) blocks, elements of `p` bytes, by the α-β model on the link the cp group spans. The ring's
+    sends overlap the attention kernels (`attention` seconds) and are exposed beyond them; the all-gather's
+    collectives (as Llama 3 runs it, §3.3.2: "the all-gather communication latency is exposed in the critical
+    path"), Ulysses' all-to-alls and the MoE blocks' all-reduce of routing counts are exposed."""
     dims = layout.dims
     if dims.cp == 1:
         return 0.0, 0.0
-    d_qk, d_v = attention_dims(cfg)
-    heads = cfg.n_heads // dims.tp
-    kv_heads = kv_heads_per_rank(cfg, dims.tp)
-    kv = tokens * kv_width(cfg, dims.tp) * p
-    link = link_of(cluster, dims.tp * dims.cp)
-    passes = layout.options.microbatches * n_layers
-    again = 0 if layout.recompute == "none" else 1
-    impl = layout.options.cp_impl
-    if impl == "allgather":
-        one = ((1 + again) * collective_time("all_gather", kv * dims.cp, dims.cp, link)
-               + collective_time("reduce_scatter", kv * dims.cp, dims.cp, link))
-        return passes * one, 0.0
-    if impl == "ulysses":  # fewer kv heads than cp ranks: each copied to the ranks that read it (chapter 10)
-        sent = max(kv_heads, dims.cp)
-        tensors = [heads * d_qk, sent * d_qk, sent * d_v, heads * d_v]
-        one = sum(collective_time("all_to_all", tokens * width * p, dims.cp, link) for width in tensors)
-        return passes * one * (2 + again), 0.0
-    ring = passes * (dims.cp - 1) * collective_time("send", kv, 2, link) * (3 + again)
-    exposed = max(0.0, ring - attention)
-    return exposed, ring - exposed
+    dense, moe = kinds
+    first_moe = cfg.moe.first_dense_layers
+    layers = [*range(dense), *range(first_moe, first_moe + moe)]  # the rank's blocks as the ledger counts them
+    traffic = expected_cp_traffic(cfg, layout.options.cp_impl, sequences, seq_len, dims.cp, dims.tp, layers,
+                                  element_size=p, recomputed=layout.recompute != "none")
+    link, m = link_of(cluster, dims.tp * dims.cp), layout.options.microbatches
+    ring = m * ledger_time({key: e for key, e in traffic.items() if key[0] == "send"}, dims.cp, link)
+    exposed = m * ledger_time({key: e for key, e in traffic.items() if key[0] != "send"}, dims.cp, link)
+    hidden = min(ring, attention)
+    return exposed + ring - hidden, hidden
 
 
 def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cluster, p: int,

@@ -13,7 +13,7 @@ rank, and a last hop brings it home to rank j. dQ stays local. Keys and values a
 (grouped-query attention is never expanded before sending); the accumulators are fp32.
 
 Bytes sent per rank and layer (|KV| = this rank's keys + values): forward (cp−1)·|KV|; backward (cp−1)·|KV| for
-the blocks plus cp·|dKV| for the accumulators (`expected_cp_traffic` in `minidist.parallel.cp.attention`).
+the blocks plus cp·|dKV| for the accumulators (`expected_cp_traffic` in `minidist.parallel.cp.traffic`).
 """
 
 from __future__ import annotations

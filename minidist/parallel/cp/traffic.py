@@ -27,10 +27,11 @@ def kv_width(cfg: ModelConfig, tp: int = 1) -> int:
 
 
 def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, cp: int, tp: int = 1,
-                        layers: Sequence[int] | None = None, rank: int = 0, element_size: int = 4
-                        ) -> dict[tuple[str, str], dict[str, int]]:
+                        layers: Sequence[int] | None = None, rank: int = 0, element_size: int = 4,
+                        recomputed: bool = False) -> dict[tuple[str, str], dict[str, int]]:
     """{(op, "cp"): {"calls", "bytes"}} one cp rank records in one forward + backward of the blocks `layers` (their
-    indices; default all), `batch` sequences of `seq_len` tokens, q/k/v of `element_size` bytes.
+    indices; default all), `batch` sequences of `seq_len` tokens, q/k/v of `element_size` bytes; `recomputed`: each
+    block's forward runs again in the backward (full recomputation), its forward's traffic with it.
 
     Per layer, with |K|, |V| this rank's keys and values (B · H_kv · T/cp · d each):
       ring       send: forward (cp−1)(|K|+|V|); backward (cp−1)(|K|+|V|) + cp(|dK|+|dV|), accumulators fp32 at least
@@ -56,28 +57,29 @@ def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, c
         entry["calls"] += calls * layers
         entry["bytes"] += nbytes * layers
 
+    forwards = 2 if recomputed else 1
     if impl == "ring":
         acc = max(element_size, 4)
-        add("send", (cp - 1) * (k_bytes + v_bytes), 2 * (cp - 1))  # forward
+        add("send", forwards * (cp - 1) * (k_bytes + v_bytes), forwards * 2 * (cp - 1))
         add("send", (cp - 1) * (k_bytes + v_bytes) + cp * (k_bytes + v_bytes) * acc // element_size,
             2 * (cp - 1) + 2 * cp)  # backward: the blocks again, and the gradient accumulators
     elif impl == "allgather":
         for d in (d_qk, d_v):
             whole = (seq_len, batch, kv, d)
-            add("all_gather", ring_bytes_sent("all_gather", whole, element_size, cp, rank), 1)
+            add("all_gather", forwards * ring_bytes_sent("all_gather", whole, element_size, cp, rank), forwards)
             add("reduce_scatter", ring_bytes_sent("reduce_scatter", whole, element_size, cp, rank), 1)
     elif impl == "ulysses":
         kv = max(kv, cp)
         tensors = [heads * d_qk, kv * d_qk, kv * d_v, heads * d_v]  # q, k, v, output: per token
         for width in tensors:
             nbytes = batch * local * width * element_size
-            add("all_to_all", 2 * (nbytes - nbytes // cp), 2)  # forward, and its gradient backward
+            add("all_to_all", (forwards + 1) * (nbytes - nbytes // cp), forwards + 1)  # forward(s), gradient
     else:
         raise ValueError(f"unknown context-parallel implementation {impl!r}")
     if moe_blocks:
         entry = counts.setdefault(("all_reduce", "cp"), {"calls": 0, "bytes": 0})
-        entry["calls"] += moe_blocks
-        entry["bytes"] += moe_blocks * ring_bytes_sent("all_reduce", (batch, cfg.moe.n_experts), 8, cp, rank)
+        entry["calls"] += forwards * moe_blocks
+        entry["bytes"] += forwards * moe_blocks * ring_bytes_sent("all_reduce", (batch, cfg.moe.n_experts), 8, cp, rank)
     return dict(sorted(counts.items()))
 
 
