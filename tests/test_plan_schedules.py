@@ -362,3 +362,38 @@ def test_a_published_layout_that_fits_only_with_what_its_run_lacked_has_no_place
     assert full.rank is not None and full.rank_available == full.rank  # the run had everything
     assert lacking.rank == full.rank and lacking.rank_available is None and lacking.available == 0
     assert table([lacking]).splitlines()[-1].endswith("| fits only with what it lacked |")
+
+
+def test_elementwise_kernels_move_their_values_once_at_the_chips_memory_bandwidth():
+    """Each element-wise operator reads its inputs and writes its outputs once, at the datasheet HBM bandwidth:
+    Llama 3 8B's block by hand (norms, residual adds, RoPE on 32 query and 8 key heads, SwiGLU over 14,336), its
+    split under TP 2 with sequence parallelism, DeepSeek-V3's MoE block (MLA's latent norms and rotary parts, the
+    permutation and combine of top-8 rows, 9 experts' SwiGLU, whole on every tp rank); recomputation runs the
+    forward's operators again; a chip without a bandwidth on record is not charged, and the report says so."""
+    from minidist.hardware import chip
+    from minidist.plan.elementwise import block_values, elementwise_seconds, elementwise_source
+    from minidist.plan.step_time import cluster_for_chip
+
+    cfg = get_preset("llama3-8b")
+    d, f, rotated = 4096, 14336, (32 + 8) * 128
+    assert block_values(cfg, Layout.of(), False) == (4 * d + 6 * d + 2 * rotated + 3 * f,
+                                                      6 * d + 6 * d + 2 * rotated + 5 * f)
+    split = block_values(cfg, Layout.of(tp=2, sequence_parallel=True), False)
+    assert split == (10 * d / 2 + rotated + 3 * f / 2, 12 * d / 2 + rotated + 5 * f / 2)
+    v3 = get_preset("deepseek-v3")
+    d, k, rope, ranks = 7168, 8, 128 * 64 + 64, 1536 + 512
+    width = 9 * 2048  # 8 routed experts and the shared one
+    assert block_values(v3, Layout.of(tp=2), True) == (
+        10 * d + 2 * (128 // 2 * 64 + 64) + 2 * ranks + 3 * k * d + d + 3 * width,
+        12 * d + 2 * (128 // 2 * 64 + 64) + 3 * ranks + 3 * k * d + d + 5 * width)
+    assert block_values(v3, Layout.of(), True)[0] == 10 * d + 2 * rope + 2 * ranks + 3 * k * d + d + 3 * width
+    h100 = cluster_for_chip("H100-SXM", efficiency=None)
+    assert h100.hbm_bandwidth == chip("H100-SXM").hbm_bandwidth == 3.35e12
+    forward, backward = block_values(cfg, Layout.of(), False)
+    for recompute, forwards in (("none", 1), ("full", 2), ("selective", 2)):
+        seconds = elementwise_seconds(cfg, Layout.of(recompute=recompute), 1000, (3, 0), 2, h100.hbm_bandwidth)
+        assert seconds == pytest.approx(1000 * 3 * (forwards * forward + backward) * 2 / 3.35e12)
+    t = predict_step(cfg, Layout.of(dp=8), 8192, 64, h100, BF16_MEGATRON)
+    bare = predict_step(cfg, Layout.of(dp=8), 8192, 64, dataclasses.replace(h100, hbm_bandwidth=0.0), BF16_MEGATRON)
+    assert t.elementwise > 0 and bare.elementwise == 0 and t.compute == pytest.approx(bare.compute + t.elementwise)
+    assert elementwise_source("TPUv4", 0.0) == "not charged (no memory bandwidth on record for TPUv4)"

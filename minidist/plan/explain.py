@@ -30,7 +30,8 @@ LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every 
             "rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the bf16 "
             "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length and mask "
             "only, at head dim 128 whatever the model's)",
-            "element-wise kernels (norms, activations, residual adds, RoPE)",
+            "element-wise kernels beyond one pass each over their inputs and outputs at the datasheet memory bandwidth "
+            "(the head's cross-entropy, the router's scores and the optimizer step not charged)",
             "Ulysses context parallelism in the search (--explain cp_impl=ulysses models it; the search tries the ring "
             "and the all-gather)",
             "DualPipe's two parameter copies (its V form, dualpipev, is modelled: only EP's all-to-all and PP's sends "
@@ -70,7 +71,8 @@ def time_terms(t: StepTime) -> list[str]:
     """The step time as the sum the planner computes, each term in seconds."""
     busy = t.compute + t.tp + t.cp + t.ep + t.pp
     return [f"  compute {t.compute:.3f} + tp {t.tp:.3f} + cp {t.cp:.3f} + ep {t.ep:.3f} + pp {t.pp:.3f} "
-            f"= {busy:.3f} s busy per stage (the attention kernels {t.attention:.3f} s of the compute)",
+            f"= {busy:.3f} s busy per stage (the attention kernels {t.attention:.3f} s of the compute, the "
+            f"element-wise ones {t.elementwise:.3f} s)",
             f"  / (1 - bubble {t.bubble:.1%}) = {busy / (1 - t.bubble):.3f} s, + dp exposed {t.dp:.3f} "
             f"= {t.total:.3f} s per step ({t.hidden:.3f} s of communication hidden behind compute)"]
 

@@ -43,6 +43,7 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
+from minidist.plan.elementwise import elementwise_source
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
 from minidist.plan.rank_memory import (
     BF16_MIXED,
@@ -319,7 +320,8 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"({cluster.gpus_per_node} per node, {cluster.memory_bytes / GIB:.0f} GiB, "
              f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
-             f"({efficiency_source(cluster)}), attention kernels {attention_source(cluster)}; links: "
+             f"({efficiency_source(cluster)}), attention kernels {attention_source(cluster)}, element-wise kernels "
+             f"{elementwise_source(cluster.name, cluster.hbm_bandwidth)}; links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
              recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",

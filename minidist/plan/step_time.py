@@ -74,6 +74,7 @@ from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
 from minidist.parallel.cp.traffic import expected_cp_traffic
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
+from minidist.plan.elementwise import elementwise_seconds
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
@@ -94,6 +95,7 @@ class Cluster:
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
     fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
     attention_kernel: AttentionKernel | None = None  # its measured rates by length (None: at the matmul rate)
+    hbm_bandwidth: float = 0.0  # bytes/s of the chip's memory (0: element-wise kernels not charged)
 
     @property
     def budget(self) -> float:
@@ -110,7 +112,8 @@ def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None
     if efficiency is None:
         efficiency = record.matmul_efficiency or DEFAULT_EFFICIENCY
     return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency,
-                   fp8_peak_flops=record.dense_peak.get("fp8", 0.0), attention_kernel=ATTENTION_KERNEL.get(name))
+                   fp8_peak_flops=record.dense_peak.get("fp8", 0.0), attention_kernel=ATTENTION_KERNEL.get(name),
+                   hbm_bandwidth=record.hbm_bandwidth or 0.0)
 
 
 def attention_source(cluster: Cluster) -> str:
@@ -141,6 +144,7 @@ class StepTime:
     dp: float  # exposed
     hidden: float  # communication overlapped with compute (not in total)
     attention: float = 0.0  # of `compute`: the attention kernels' seconds
+    elementwise: float = 0.0  # of `compute`: the element-wise kernels' (`plan.elementwise`)
 
     @property
     def total(self) -> float:
@@ -294,7 +298,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
                                                     per_token, recipe))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
     return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
-                    stage.hidden + dp_hidden, stage.attention)
+                    stage.hidden + dp_hidden, stage.attention, stage.elementwise)
 
 
 def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
@@ -310,8 +314,9 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     rows_per_expert = tokens * cfg.moe.top_k * dims.ep / cfg.moe.n_experts if cfg.moe.n_experts else 0.0
     key_len, causal = attention_shape(layout, seq_len)
     attention = attention_seconds(flops, cluster, key_len, causal)
-    compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
+    elementwise = elementwise_seconds(cfg, layout, m * tokens, (dense_layers, moe_layers), p, cluster.hbm_bandwidth)
+    compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert) + elementwise
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
     # collectives between them (tp's reductions, cp's ring, ep's all-to-alls), not its matmuls
     again = 0 if layout.recompute == "none" else 1
@@ -341,7 +346,7 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
     share = overlap / (ep + pp) if overlap else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap,
-                    attention)
+                    attention, elementwise)
 
 
 def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
