@@ -5,7 +5,7 @@ import pytest
 
 from minidist import hardware
 from minidist.comm.cost_model import cost_terms
-from minidist.plan.step_time import cluster_for_chip
+from minidist.plan.cluster import cluster_for_chip
 
 
 def test_one_record_per_chip() -> None:

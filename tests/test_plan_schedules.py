@@ -15,6 +15,7 @@ from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import chunk_owners
 from minidist.parallel.pp.zero_bubble import build_any_schedule
 from minidist.plan import schedule_costs
+from minidist.plan.cluster import Cluster
 from minidist.plan.rank_memory import (
     BF16_MEGATRON,
     BF16_MIXED,
@@ -29,7 +30,7 @@ from minidist.plan.rank_memory import (
     stage_kinds,
 )
 from minidist.plan.search import main, search
-from minidist.plan.step_time import Cluster, Recipe, expert_all_to_all, predict_step
+from minidist.plan.step_time import Recipe, expert_all_to_all, predict_step
 
 
 def _cluster(gpus_per_node: int = 8) -> Cluster:
@@ -190,7 +191,7 @@ def test_fp8_blockwise_runs_at_deepgemms_measured_rates():
     other chips at their FP8 peak (twice bf16's) at the bf16 efficiency; a chip without FP8 refused. A layout's
     compute follows: EP 8 gives an expert 1,024 rows, EP 64 8,192."""
     from minidist.hardware import DEEPGEMM_DENSE, DEEPGEMM_EXPERTS, expert_gemm_rate, gemm_rate
-    from minidist.plan.step_time import cluster_for_chip, fp8_rate
+    from minidist.plan.cluster import cluster_for_chip, fp8_rate
 
     assert gemm_rate(((1, 64, 64, 64, 500.0),)) == pytest.approx(500e12)
     two = ((1, 64, 64, 64, 500.0), (2, 32, 64, 64, 1000.0))  # equal FLOPs: the harmonic mean
@@ -227,7 +228,8 @@ def test_attention_kernels_run_at_their_measured_rate_by_key_length(capsys):
     zigzag chunks' work, at the rate without a mask); the rest of the compute at the matmul rate, unchanged. A chip
     with no measured kernel keeps the matmul rate, and says so."""
     from minidist.hardware import ATTENTION_KERNEL, attention_rate, log2_interpolate
-    from minidist.plan.step_time import attention_seconds, cluster_for_chip, compute_seconds, step_flops_per_rank
+    from minidist.plan.cluster import cluster_for_chip
+    from minidist.plan.step_time import attention_seconds, compute_seconds, step_flops_per_rank
 
     table = ((512, 100.0), (2048, 300.0))
     assert log2_interpolate(table, 1024) == pytest.approx(200.0)  # halfway in log2(length)
@@ -275,8 +277,9 @@ def test_context_parallelism_by_implementation():
     each, forward and backward, exposed. The search tries the ring and the all-gather for cp > 1; an all-gather
     layout keeps more than its ring twin (the whole sequence's keys and values), so a ring layout over the budget
     spares the search its twin."""
+    from minidist.plan.cluster import cluster_for_chip
     from minidist.plan.search import CP_IMPLS, describe_layout
-    from minidist.plan.step_time import cluster_for_chip, context_parallel_time
+    from minidist.plan.step_time import context_parallel_time
 
     cfg, h100 = get_preset("llama3-8b"), cluster_for_chip("H100-SXM", efficiency=None)
     seq_len, tokens, p, layers, m = 8192, 2048, 2, 4, 3  # one sequence per micro-batch over cp 4
@@ -350,8 +353,8 @@ def test_deepseek_precision_keeps_fp32_gradients_and_bf16_moments():
 def test_a_published_layout_that_fits_only_with_what_its_run_lacked_has_no_place_among_what_it_had():
     """`hold` places the published layout among the layouts its run's stack could run; one that fits only under
     schedules the stack lacked gets no place there (not its overall rank), and the table says so."""
+    from minidist.plan.cluster import cluster_for_chip
     from minidist.plan.published import PublishedRun, hold, table
-    from minidist.plan.step_time import cluster_for_chip
 
     cfg, h100 = get_preset("tiny"), cluster_for_chip("H100-SXM", efficiency=None)
     plan = search(cfg, 8, 256, 64 * 1024, h100)
@@ -371,8 +374,8 @@ def test_elementwise_kernels_move_their_values_once_at_the_chips_memory_bandwidt
     permutation and combine of top-8 rows, 9 experts' SwiGLU, whole on every tp rank); recomputation runs the
     forward's operators again; a chip without a bandwidth on record is not charged, and the report says so."""
     from minidist.hardware import chip
+    from minidist.plan.cluster import cluster_for_chip
     from minidist.plan.elementwise import block_values, elementwise_seconds, elementwise_source
-    from minidist.plan.step_time import cluster_for_chip
 
     cfg = get_preset("llama3-8b")
     d, f, rotated = 4096, 14336, (32 + 8) * 128

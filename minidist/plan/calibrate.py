@@ -4,7 +4,7 @@ measured step times of layouts to rank its predictions against.
 * `measure_machine` (a rank function): this rank's matmul peak (`flops.measure_matmul_peak`, with the thread count
   each rank really has) and gloo all-reduce timings over the world, fitted to α and β
   (`cost_model.fit_alpha_beta`, chapter 00);
-* `cpu_cluster`: a `step_time.Cluster` from those figures, every rank "inside one node" (one machine);
+* `cpu_cluster`: a `cluster.Cluster` from those figures, every rank "inside one node" (one machine);
 * `time_layouts` (a rank function): the fastest of a few steps of each layout through `parallelize`;
 * `spearman`: Spearman's rank correlation of predicted and measured times (Spearman 1904), ties averaged.
 """
@@ -23,8 +23,8 @@ from minidist.flops import measure_matmul_peak, model_matmul_shapes
 from minidist.hardware import Link
 from minidist.model import ModelConfig
 from minidist.parallel import Layout
+from minidist.plan.cluster import Cluster
 from minidist.plan.memory_measure import build_case, random_batch
-from minidist.plan.step_time import Cluster
 
 
 def measure_machine(cfg: ModelConfig, tokens: int, sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**21),

@@ -14,16 +14,9 @@ from typing import Any
 from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.parallel.layout import SETTINGS, Layout
+from minidist.plan.cluster import Cluster
 from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
-from minidist.plan.step_time import (
-    DEFAULT_RECIPE,
-    Cluster,
-    Recipe,
-    StepTime,
-    TokenFlops,
-    attention_shape,
-    predict_step,
-)
+from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, StepTime, TokenFlops, attention_shape, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
 LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at DeepGEMM's "

@@ -35,9 +35,10 @@ from minidist.flops import mfu_flops_per_token
 from minidist.model.config import get_preset
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
+from minidist.plan.cluster import cluster_for_chip
 from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, BF16_MIXED, Precision
 from minidist.plan.search import CP_IMPLS, Candidate, Plan, describe_layout, rank_of, search
-from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, cluster_for_chip
+from minidist.plan.step_time import DEFAULT_RECIPE, Recipe
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,15 @@ from minidist.hardware import GIB, MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
+from minidist.plan.cluster import (
+    DEFAULT_EFFICIENCY,
+    Cluster,
+    attention_source,
+    cluster_for_chip,
+    efficiency_source,
+    fp8_rate,
+    fp8_source,
+)
 from minidist.plan.elementwise import elementwise_source
 from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
 from minidist.plan.rank_memory import (
@@ -53,20 +62,7 @@ from minidist.plan.rank_memory import (
     estimate_memory,
     precision_words,
 )
-from minidist.plan.step_time import (
-    DEFAULT_EFFICIENCY,
-    DEFAULT_RECIPE,
-    Cluster,
-    Recipe,
-    StepTime,
-    attention_source,
-    cluster_for_chip,
-    efficiency_source,
-    fp8_rate,
-    fp8_source,
-    predict_step,
-    token_flops,
-)
+from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, StepTime, predict_step, token_flops
 from minidist.train.config import OneLineParser
 
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
