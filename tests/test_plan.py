@@ -14,9 +14,10 @@ from minidist.flops import count_params, mfu_flops_per_token
 from minidist.hardware import Link
 from minidist.model import get_preset
 from minidist.parallel import Layout
+from minidist.plan.cli import main
 from minidist.plan.cluster import Cluster
 from minidist.plan.rank_memory import FP32, estimate_memory
-from minidist.plan.search import JSON_KEYS, global_batch_sequences, main, parse_tokens, rank_of, search
+from minidist.plan.search import JSON_KEYS, global_batch_sequences, parse_tokens, rank_of, search
 from minidist.plan.step_time import predict_step
 
 TINY_ARGS = ["--model", "tiny", "--gpus", "8", "--gpu", "H100-SXM", "--seq-len", "256",

@@ -15,6 +15,7 @@ from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import chunk_owners
 from minidist.parallel.pp.zero_bubble import build_any_schedule
 from minidist.plan import schedule_costs
+from minidist.plan.cli import main
 from minidist.plan.cluster import Cluster
 from minidist.plan.rank_memory import (
     BF16_MEGATRON,
@@ -29,7 +30,7 @@ from minidist.plan.rank_memory import (
     rank_params,
     stage_kinds,
 )
-from minidist.plan.search import main, search
+from minidist.plan.search import search
 from minidist.plan.step_time import Recipe, expert_all_to_all, predict_step
 
 
@@ -173,7 +174,7 @@ def test_node_limited_routing_overlaps_its_two_hops():
 def test_recipe_flags_on_the_command_line(capsys):
     """--kernels, --fp8 and --max-nodes reach the search (the report says what it assumed); a bad value is one
     line."""
-    from minidist.plan.search import main
+    from minidist.plan.cli import main
 
     args = ["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "64K", "--top", "1"]
     assert main([*args, "--kernels", "megatron", "--fp8", "blockwise", "--max-nodes", "2"]) == 0

@@ -1,7 +1,7 @@
-"""`python -m minidist.plan`: see `minidist.plan.search.main`."""
+"""`python -m minidist.plan`: see `minidist.plan.cli.main`."""
 
 import sys
 
-from minidist.plan.search import main
+from minidist.plan.cli import main
 
 sys.exit(main())

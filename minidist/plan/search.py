@@ -25,45 +25,37 @@ The rules that bound the search (each refused layout is counted with its reason)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import sys
 import typing
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minidist.comm.topology import ParallelDims
 from minidist.flops import count_params
-from minidist.hardware import GIB, MAMF_SOURCE, node_chips
-from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
+from minidist.hardware import GIB
+from minidist.model.config import ModelConfig
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.plan.cluster import (
-    DEFAULT_EFFICIENCY,
     Cluster,
     attention_source,
-    cluster_for_chip,
     efficiency_source,
-    fp8_rate,
     fp8_source,
 )
 from minidist.plan.elementwise import elementwise_source
-from minidist.plan.explain import LEFT_OUT, evaluate, format_explain, parse_settings
+from minidist.plan.explain import LEFT_OUT, evaluate
 from minidist.plan.rank_memory import (
     BF16_MIXED,
-    PRECISIONS,
     MemoryEstimate,
     Precision,
     estimate_memory,
     precision_words,
 )
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, StepTime, predict_step, token_flops
-from minidist.train.config import OneLineParser
 
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
 # cost model does not see (it charges FLOPs at one efficiency): the search leaves such layouts out.
@@ -352,93 +344,3 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
         lines += ["", "not layouts (counted over the grid):"]
         lines += [f"  {reason} ({n}x)" for reason, n in plan.refused.most_common(4)]
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    presets = sorted(ALL_PRESETS)
-    parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
-                     epilog="Memory: minidist/plan/rank_memory.py; time: minidist/plan/step_time.py (what each leaves "
-                            "out is in its docstring). K, M, G are powers of two: 4M = 4,194,304 = 512 x 8192.")
-    parser.add_argument("--model", default="llama3-8b", metavar="PRESET", help=f"model preset: {', '.join(presets)}")
-    parser.add_argument("--gpus", type=int, default=8, help="number of GPUs (default: 8)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink in one node (default: 8)")
-    parser.add_argument("--gpu", default="H100-SXM", metavar="CHIP",
-                        help=f"chip: {', '.join(node_chips())} (default: H100-SXM)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--global-batch-tokens", default="4M", metavar="B",
-                        help="tokens per optimizer step, e.g. 4M (default: 4M = 4,194,304)")
-    parser.add_argument("--top", type=int, default=10, metavar="K", help="layouts to list (default: 10)")
-    parser.add_argument("--efficiency", type=float, default=None,
-                        help="fraction of the bf16 peak the matmuls reach (default: the chip's published best matmul "
-                             f"throughput, {MAMF_SOURCE}; {DEFAULT_EFFICIENCY} for a chip without one)")
-    parser.add_argument("--json", action="store_true", help=f"print a JSON list of the top K, keys: "
-                        f"{', '.join(JSON_KEYS)} (with --explain: one object, the same keys and 'rank')")
-    parser.add_argument("--fp8", default="none", choices=FP8_CHOICES,
-                        help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (blockwise on "
-                             "H800/H100 at DeepGEMM's rate measured at DeepSeek-V3's shapes, else the FP8 peak, twice "
-                             "bf16's, at the bf16 efficiency; DeepSeek-V3 trained blockwise); default none")
-    parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
-                        help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
-                             "keep their gathered input), Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
-                             "gathered again backward), or DeepSeek-V3's stack (Megatron's activations, fp32 "
-                             "gradients, bf16 AdamW moments); default trainer")
-    parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
-                        help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
-                             "(the network carries min(top_k, M) rows per token); default 0, unlimited")
-    parser.add_argument("--explain", metavar="SETTINGS", default=None,
-                        help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
-                             "rest as the search would choose them): memory per pipeline stage, step time by term, "
-                             "its rank")
-    return parser
-
-
-def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namespace, seq_len: int, tokens: int,
-             cluster: Cluster) -> int:
-    """--explain: the fastest layout of the search with `settings` (or that layout evaluated as given)."""
-    sequences = global_batch_sequences(tokens, seq_len)
-    rank, c = rank_of(plan, **settings)
-    if c is None:
-        layout = Layout.of(**settings)
-        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision, plan.recipe))
-    if args.json:
-        print(json.dumps({**c.row(), "rank": rank}))
-    else:
-        print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
-        print("")
-        print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
-                             seq_len, sequences, plan.precision, plan.budget))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = get_preset(args.model)
-        if args.gpu not in node_chips():
-            raise ValueError(f"--gpu {args.gpu!r} is unknown; choose one of {node_chips()}")
-        if args.max_nodes < 0:
-            raise ValueError(f"--max-nodes must be >= 0 (0: unlimited), got {args.max_nodes}")
-        for name in ("gpus", "gpus_per_node", "top"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.efficiency is not None and not 0 < args.efficiency <= 1:
-            raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-        seq_len = args.seq_len or cfg.max_seq_len
-        tokens = parse_tokens(args.global_batch_tokens)
-        cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
-        settings = parse_settings(args.explain) if args.explain is not None else None
-        if args.fp8 != "none":
-            fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search
-        plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
-                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes))
-        if settings is not None:
-            return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps([c.row() for c in plan.feasible[:args.top]]))
-    else:
-        print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, args.top))
-    return 0
-
