@@ -71,8 +71,8 @@ LINKS: dict[str, Link] = {
 class Chip:
     """One accelerator: its dense (no 2:4 sparsity) peak FLOP/s by dtype, its memory in bytes, the links of its
     usual node (`intra` inside, `inter` across, one network port per GPU), `device_name`, the part of the name
-    `torch.cuda.get_device_name` reports that identifies it, and its memory's bandwidth. A chip the planner cannot
-    place in a node (no memory or link figures) leaves those None."""
+    `torch.cuda.get_device_name` reports that identifies it, its memory's bandwidth and its SMs. A chip the planner
+    cannot place in a node (no memory or link figures) leaves those None."""
 
     name: str
     dense_peak: dict[str, float] = field(hash=False)
@@ -81,6 +81,7 @@ class Chip:
     inter: Link | None = None
     device_name: str | None = None
     hbm_bandwidth: float | None = None  # bytes/s of its memory, from its datasheet (None: none on record)
+    sms: int | None = None  # streaming multiprocessors (None: none on record)
 
     @property
     def matmul_efficiency(self) -> float | None:
@@ -193,26 +194,27 @@ def expert_gemm_rate(rows_per_expert: float) -> float:
 # come before the bare "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3").
 CHIPS: tuple[Chip, ...] = (
     # NVIDIA A100 Tensor Core GPU datasheet (2020): BF16 Tensor Core 312 TFLOPS (624 with sparsity); SXM and PCIe. 80GB,
-    # 2,039 GB/s (SXM; the PCIe card 1,935).
-    Chip("A100", {"bf16": 312e12}, 80 * GIB, LINKS["nvlink3"], LINKS["ib-hdr200"], "A100", 2039 * GB),
+    # 2,039 GB/s (SXM; the PCIe card 1,935). 108 SMs (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020).
+    Chip("A100", {"bf16": 312e12}, 80 * GIB, LINKS["nvlink3"], LINKS["ib-hdr200"], "A100", 2039 * GB, 108),
     # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 NVL (per GPU of the pair): 1,671 TFLOPS with sparsity ->
     # 835 dense (lower clocks, 400 W). 94GB, 3.9TB/s.
     Chip("H100-NVL", {"bf16": 835e12}, 94 * GIB, LINKS["pcie5"], LINKS["ib-ndr400"], "H100 NVL", 3.9e3 * GB),
     # Same datasheet, H100 PCIe: 1,513 TFLOPS with sparsity -> 756 dense. 80GB, 2TB/s.
     Chip("H100-PCIe", {"bf16": 756e12}, 80 * GIB, LINKS["pcie5"], LINKS["ib-ndr400"], "H100 PCIe", 2e3 * GB),
-    # Same datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989. 80GB, 3.35TB/s.
+    # Same datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989. 80GB, 3.35TB/s. 132 SMs (NVIDIA
+    # H100 Tensor Core GPU Architecture whitepaper, 2022: "132 SMs" in the SXM5 part).
     # FP8 (H100 SXM, H800, H200 SXM datasheets): 3,958 TFLOPS with sparsity -> 1979 dense, twice bf16.
     Chip("H100-SXM", {"bf16": 989e12, "fp8": 1979e12}, 80 * GIB, LINKS["nvlink4"], LINKS["ib-ndr400"], "H100",
-         3.35e3 * GB),
+         3.35e3 * GB, 132),
     # NVIDIA H800 SXM product brief: the H100 SXM's compute (1,979 TFLOPS sparse bf16) with cut NVLink -> 989. 80GB,
-    # 3.35TB/s.
+    # 3.35TB/s; "the 132 SMs available in the H800 GPU" (DeepSeek-V3 report, §3.5.1).
     Chip("H800", {"bf16": 989e12, "fp8": 1979e12}, 80 * GIB, LINKS["nvlink4-h800"], LINKS["ib-ndr400"], "H800",
-         3.35e3 * GB),
+         3.35e3 * GB, 132),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 NVL: 1,671 TFLOPS with sparsity -> 835 dense. 141GB, 4.8TB/s.
     Chip("H200-NVL", {"bf16": 835e12}, 141e9, LINKS["pcie5"], LINKS["ib-ndr400"], "H200 NVL", 4.8e3 * GB),
-    # Same datasheet, H200 SXM: BF16 1,979 TFLOPS with sparsity -> 989 dense. 141GB, 4.8TB/s.
+    # Same datasheet, H200 SXM: BF16 1,979 TFLOPS with sparsity -> 989 dense. 141GB, 4.8TB/s; the H100 SXM's die.
     Chip("H200-SXM", {"bf16": 989e12, "fp8": 1979e12}, 141e9, LINKS["nvlink4"], LINKS["ib-ndr400"], "H200",
-         4.8e3 * GB),
+         4.8e3 * GB, 132),
     # NVIDIA HGX B200 datasheet (2024): FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity -> 2.25 dense.
     # 180GB per GPU of an HGX B200, 8TB/s.
     Chip("B200", {"bf16": 2250e12}, 180e9, LINKS["nvlink5"], LINKS["ib-ndr400"], "B200", 8e3 * GB),

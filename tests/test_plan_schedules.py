@@ -401,3 +401,32 @@ def test_elementwise_kernels_move_their_values_once_at_the_chips_memory_bandwidt
     bare = predict_step(cfg, Layout.of(dp=8), 8192, 64, dataclasses.replace(h100, hbm_bandwidth=0.0), BF16_MEGATRON)
     assert t.elementwise > 0 and bare.elementwise == 0 and t.compute == pytest.approx(bare.compute + t.elementwise)
     assert elementwise_source("TPUv4", 0.0) == "not charged (no memory bandwidth on record for TPUv4)"
+
+
+def test_all_to_all_kernels_on_their_own_sms_slow_dualpipevs_paired_compute(capsys):
+    """`comm_sms` SMs run the expert all-to-all beside DualPipeV's paired compute (DeepSeek-V3 §3.2.2: 20 of 132):
+    the paired share of the compute runs on the other SMs, 132/112 as long; a schedule without pairs, or a layout
+    without an all-to-all, keeps its compute; the command line refuses a count the chip cannot spare, in one line."""
+    from minidist.plan.cli import main
+    from minidist.plan.cluster import cluster_for_chip
+    from minidist.plan.schedule_costs import paired_share
+    from minidist.plan.step_time import check_comm_sms
+
+    cfg = get_preset("tiny", n_layers=8, moe=dict(n_experts=8, top_k=2))
+    h800 = cluster_for_chip("H800", efficiency=None)
+    assert h800.sms == 132
+    for schedule, ep in (("dualpipev", 4), ("1f1b", 4), ("dualpipev", 1)):
+        lay = Layout.of(dp=4, pp=2, ep=ep, schedule=schedule, microbatches=8)
+        plain, shared = (predict_step(cfg, lay, 256, 32, h800, BF16_MEGATRON, recipe=Recipe(comm_sms=n))
+                         for n in (0, 20))
+        paired = paired_share(schedule, 2, 8) if ep > 1 else 0.0
+        assert shared.compute == pytest.approx(plain.compute * (1 + paired * 20 / 112))
+        assert (shared.compute > plain.compute) == (schedule == "dualpipev" and ep > 1)
+    with pytest.raises(ValueError, match="B200 has no SMs on record"):
+        check_comm_sms(20, cluster_for_chip("B200"))
+    args = ["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "64K", "--top", "1"]
+    assert main([*args, "--gpu", "H800", "--comm-sms", "20"]) == 0
+    assert "on 20 of the 132 SMs" in capsys.readouterr().out
+    assert main([*args, "--gpu", "H800", "--comm-sms", "132"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "choose 0 <= N < 132" in err

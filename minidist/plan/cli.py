@@ -27,7 +27,7 @@ from minidist.plan.search import (
     rank_of,
     search,
 )
-from minidist.plan.step_time import Recipe
+from minidist.plan.step_time import Recipe, check_comm_sms
 from minidist.train.config import OneLineParser
 
 
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
                         help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
                              "(the network carries min(top_k, M) rows per token); default 0, unlimited")
+    parser.add_argument("--comm-sms", type=int, default=0, metavar="N",
+                        help="SMs the expert all-to-all's kernels hold beside DualPipeV's paired compute, as "
+                             "DeepSeek-V3's 20 of the H800's 132 (the paired compute slows to the rest); default 0")
     parser.add_argument("--explain", metavar="SETTINGS", default=None,
                         help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
                              "rest as the search would choose them): memory per pipeline stage, step time by term, "
@@ -108,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parse_settings(args.explain) if args.explain is not None else None
         if args.fp8 != "none":
             fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search
+        check_comm_sms(args.comm_sms, cluster)
         plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
-                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes))
+                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes, args.comm_sms))
         if settings is not None:
             return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
     except (ValueError, TypeError) as e:

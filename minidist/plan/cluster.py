@@ -41,6 +41,7 @@ class Cluster:
     fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
     attention_kernel: AttentionKernel | None = None  # its measured rates by length (None: at the matmul rate)
     hbm_bandwidth: float = 0.0  # bytes/s of the chip's memory (0: element-wise kernels not charged)
+    sms: int = 0  # the chip's streaming multiprocessors (0: none on record)
 
     @property
     def budget(self) -> float:
@@ -58,7 +59,7 @@ def cluster_for_chip(name: str, gpus_per_node: int = 8, efficiency: float | None
         efficiency = record.matmul_efficiency or DEFAULT_EFFICIENCY
     return Cluster(name, peak_flops(name), record.memory_bytes, gpus_per_node, record.intra, record.inter, efficiency,
                    fp8_peak_flops=record.dense_peak.get("fp8", 0.0), attention_kernel=ATTENTION_KERNEL.get(name),
-                   hbm_bandwidth=record.hbm_bandwidth or 0.0)
+                   hbm_bandwidth=record.hbm_bandwidth or 0.0, sms=record.sms or 0)
 
 
 def attention_source(cluster: Cluster) -> str:

@@ -86,7 +86,8 @@ def published_runs() -> list[PublishedRun]:
                      "Llama 3 Table 4: 400 TFLOP/s per GPU", precision=BF16_MIXED, **llama_stack),
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
-                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens", Recipe(fp8="blockwise", max_nodes=4),
+                     "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens",
+                     Recipe(fp8="blockwise", max_nodes=4, comm_sms=20),
                      precision=BF16_DEEPSEEK),
     ]
 

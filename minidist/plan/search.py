@@ -298,6 +298,9 @@ def recipe_words(recipe: Recipe, cluster: Cluster) -> str:
                      "quantization not charged)")
     if recipe.max_nodes:
         words.append(f"each token's experts on at most {recipe.max_nodes} nodes")
+    if recipe.comm_sms:
+        words.append(f"the all-to-all's kernels on {recipe.comm_sms} of the {cluster.sms} SMs beside DualPipeV's "
+                     "paired compute")
     return "".join(f"; {w}" for w in words)
 
 

@@ -9,7 +9,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   `hardware.ATTENTION_KERNEL`: FlashAttention-2's forward + backward on the chip; the sequence, or its 1/cp chunk
   under ring context parallelism; with the causal mask, but for context parallelism's whole blocks off the
   diagonal), in that benchmark's count of the kernels' work (a backward of 2.5 forwards: the scores recomputed).
-  MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by tp.
+  MoE layers run whole on every tp rank (as in the trainer), so their FLOPs are not divided by tp. The element-wise
+  kernels between the matmuls: one pass each over their values at the chip's memory bandwidth (`plan.elementwise`).
 * Communication, per rank and step, each collective by `hardware.collective_time` (α·steps + β·bytes) over the link
   its group crosses, on the pipeline rank with the most blocks (`busiest_stage_kinds`). The grid is (pp, dp, cp,
   tp), tp fastest (`topology`): a group of dimension d spans the ranks up to its last member, tp for tp, tp·cp for
@@ -34,13 +35,14 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 * `Recipe`: FP8 GEMMs in the blocks' linears (`fp8_rate`: blockwise at DeepGEMM's rate measured at DeepSeek-V3's
   shapes on H800, else the FP8 peak at the bf16 efficiency; the forward's dispatch in FP8);
   node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, an all-to-all
-  among the nodes, top_k over NVLink, the two hops at once: the slower counts, `expert_all_to_all`).
+  among the nodes, top_k over NVLink, the two hops at once: the slower counts, `expert_all_to_all`); the
+  all-to-all's kernels on `comm_sms` SMs, beside DualPipeV's paired compute, which runs on the rest.
 
     step = (compute + tp + cp exposed + ep + pp) / (1 − bubble) + dp exposed
 
 Left out: the head's imbalance (on the last stage), the matmuls' efficiency by shape (but FP8's on H800/H100),
-element-wise kernels, FP8's quantization, the network's congestion and topology beyond one port per GPU, the
-routing's imbalance, optimizer time.
+element-wise kernels beyond one pass each, FP8's quantization, the network's congestion and topology beyond one port
+per GPU, the routing's imbalance, optimizer time.
 """
 
 from __future__ import annotations
@@ -179,13 +181,24 @@ class Recipe:
     """How the run computes and routes, beyond the layout: `fp8` names the trainer's --fp8 recipe the blocks' linear
     GEMMs run in ('tensorwise', 'rowwise', 'blockwise': DeepSeek-V3's §3.3; '' for bf16); `max_nodes` > 0 limits
     each token's experts to that many nodes (DeepSeek-V3's node-limited routing, M = 4; the trainer's router does
-    not limit them: 0)."""
+    not limit them: 0); `comm_sms` > 0 SMs run the expert all-to-all's kernels beside DualPipeV's paired compute,
+    which has the rest (DeepSeek-V3 §3.2.2 and §3.5.1: 20 of the H800's 132, "which will limit the computational
+    throughput"; the trainer's NCCL collectives: 0, not charged)."""
 
     fp8: str = ""
     max_nodes: int = 0
+    comm_sms: int = 0
 
 
 DEFAULT_RECIPE = Recipe()  # bf16 GEMMs, routing unlimited: the trainer's defaults
+
+
+def check_comm_sms(comm_sms: int, cluster: Cluster) -> None:
+    """A one-line ValueError unless `comm_sms` SMs leave some of the cluster's chip to compute."""
+    if not 0 <= comm_sms < (cluster.sms or 1):
+        fits = f"0 <= N < {cluster.sms}" if cluster.sms else "0 (no SM count to take them from)"
+        raise ValueError(f"--comm-sms {comm_sms}: {cluster.name} has {cluster.sms or 'no'} SMs on record; "
+                         f"choose {fits}")
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
@@ -244,6 +257,9 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     # DualPipeV: in its overlapped (F, B) pairs one's all-to-all and sends hide behind the other's compute, each
     # pair taking max(compute, communication) instead of their sum
     paired = paired_share(o.schedule, dims.pp, m)
+    if recipe.comm_sms and ep:  # the paired chunks compute on the SMs the all-to-all's kernels leave them
+        check_comm_sms(recipe.comm_sms, cluster)
+        compute *= 1 + paired * recipe.comm_sms / (cluster.sms - recipe.comm_sms)
     overlap = min(paired * (ep + pp), paired * compute)
     costs = split_costs(flops.attention / flops.total, layout.recompute)
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
