@@ -21,6 +21,7 @@ DeepSeek-V3 recipe fuses them into the GEMMs' neighbours), the optimizer step.
 from __future__ import annotations
 
 from minidist.model.config import ModelConfig
+from minidist.parallel.cp.core import kv_heads_per_rank
 from minidist.parallel.layout import Layout
 
 
@@ -30,8 +31,7 @@ def _rotated(cfg: ModelConfig, tp: int) -> int:
         return 0
     if cfg.attention == "mla":  # the rotary key part is one head shared by all, replicated over tp
         return cfg.n_heads // tp * cfg.mla.qk_rope_head_dim + cfg.mla.qk_rope_head_dim
-    kv_heads = max(cfg.n_kv_heads // tp, 1)
-    return (cfg.n_heads // tp + kv_heads) * cfg.head_dim
+    return (cfg.n_heads // tp + kv_heads_per_rank(cfg, tp)) * cfg.head_dim
 
 
 def _mlp_values(width: int, gated: bool) -> tuple[int, int]:
