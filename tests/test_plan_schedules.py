@@ -375,8 +375,8 @@ def test_elementwise_kernels_move_their_values_once_at_the_chips_memory_bandwidt
     permutation and combine of top-8 rows, 9 experts' SwiGLU, whole on every tp rank); recomputation runs the
     forward's operators again; a chip without a bandwidth on record is not charged, and the report says so."""
     from minidist.hardware import chip
-    from minidist.plan.cluster import cluster_for_chip
-    from minidist.plan.elementwise import block_values, elementwise_seconds, elementwise_source
+    from minidist.plan.cluster import cluster_for_chip, elementwise_source
+    from minidist.plan.elementwise import block_values, elementwise_seconds
 
     cfg = get_preset("llama3-8b")
     d, f, rotated = 4096, 14336, (32 + 8) * 128
@@ -400,7 +400,8 @@ def test_elementwise_kernels_move_their_values_once_at_the_chips_memory_bandwidt
     t = predict_step(cfg, Layout.of(dp=8), 8192, 64, h100, BF16_MEGATRON)
     bare = predict_step(cfg, Layout.of(dp=8), 8192, 64, dataclasses.replace(h100, hbm_bandwidth=0.0), BF16_MEGATRON)
     assert t.elementwise > 0 and bare.elementwise == 0 and t.compute == pytest.approx(bare.compute + t.elementwise)
-    assert elementwise_source("TPUv4", 0.0) == "not charged (no memory bandwidth on record for TPUv4)"
+    tpu = dataclasses.replace(h100, name="TPUv4", hbm_bandwidth=0.0)
+    assert elementwise_source(tpu) == "not charged (no memory bandwidth on record for TPUv4)"
 
 
 def test_all_to_all_kernels_on_their_own_sms_slow_dualpipevs_paired_compute(capsys):

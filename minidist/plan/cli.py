@@ -1,5 +1,9 @@
-"""`python -m minidist.plan`: the command line of the layout planner (`search`), its one-line errors for bad
-input before any search, and `--explain` for one layout (`explain`)."""
+"""The layout planner: `python -m minidist.plan --model llama3-405b --gpus 16384 --seq-len 8192
+--global-batch-tokens 16M` lists the layouts that fit the chip's memory, fastest predicted first (chapter 12).
+
+The command line of the layout search (`search`): its one-line errors for bad input before any search, and
+`--explain` for one layout (`explain`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from collections.abc import Sequence
 from minidist.hardware import MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
 from minidist.parallel.layout import Layout
-from minidist.plan import search as search_module
 from minidist.plan.cluster import DEFAULT_EFFICIENCY, Cluster, cluster_for_chip, fp8_rate
 from minidist.plan.explain import evaluate, format_explain, parse_settings
 from minidist.plan.rank_memory import PRECISIONS
@@ -27,14 +30,13 @@ from minidist.plan.search import (
     rank_of,
     search,
 )
-from minidist.plan.step_time import Recipe, check_comm_sms
+from minidist.plan.step_time import Recipe
 from minidist.train.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     presets = sorted(ALL_PRESETS)
-    summary = search_module.__doc__.split("\n\n")[0].replace("`", "")
-    parser = OneLineParser(prog="python -m minidist.plan", description=summary,
+    parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
                            epilog="Memory: minidist/plan/rank_memory.py; time: minidist/plan/step_time.py (what each "
                                   "leaves out is in its docstring). K, M, G are powers of two: 4M = 4,194,304 = 512 "
                                   "x 8192.")
@@ -111,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parse_settings(args.explain) if args.explain is not None else None
         if args.fp8 != "none":
             fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search
-        check_comm_sms(args.comm_sms, cluster)
         plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
                       Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes, args.comm_sms))
         if settings is not None:

@@ -69,6 +69,14 @@ def attention_source(cluster: Cluster) -> str:
     return f"at {ATTENTION_SOURCE}"
 
 
+def elementwise_source(cluster: Cluster) -> str:
+    """How the element-wise kernels are charged (`plan.elementwise`), in words."""
+    if not cluster.hbm_bandwidth:
+        return f"not charged (no memory bandwidth on record for {cluster.name})"
+    return (f"one pass each at the {cluster.hbm_bandwidth / 1e9:,.0f} GB/s of {cluster.name}'s memory (its datasheet; "
+            "a lower bound)")
+
+
 def efficiency_source(cluster: Cluster) -> str:
     """Where the cluster's compute efficiency comes from, in words."""
     published = chip(cluster.name).matmul_efficiency if cluster.name in node_chips() else None

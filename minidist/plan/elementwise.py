@@ -74,10 +74,3 @@ def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: 
             forward, backward = block_values(cfg, layout, moe)
             values += count * (forwards * forward + backward)
     return tokens * values * p / hbm_bandwidth
-
-
-def elementwise_source(chip: str, hbm_bandwidth: float) -> str:
-    """How the element-wise kernels are charged, in words."""
-    if not hbm_bandwidth:
-        return f"not charged (no memory bandwidth on record for {chip})"
-    return f"one pass each at the {hbm_bandwidth / 1e9:,.0f} GB/s of {chip}'s memory (its datasheet; a lower bound)"

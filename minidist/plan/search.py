@@ -1,5 +1,5 @@
-"""The layout planner: `python -m minidist.plan --model llama3-405b --gpus 16384 --seq-len 8192
---global-batch-tokens 16M` lists the layouts that fit the chip's memory, fastest predicted first (chapter 12).
+"""The layout search (chapter 12): `search` lists the layouts that fit the chip's memory, fastest predicted first,
+and `format_plan` reports them; `python -m minidist.plan` (`cli`) runs it from the command line.
 
 It searches the degrees dp, tp, pp, cp, ep (dp·tp·pp·cp = the GPUs; ep carved out of dp·cp), the ZeRO stage, the
 number of micro-batches, the pipeline schedule (1F1B, interleaved over 2, 4 or 8 virtual stages, and chapter 15's
@@ -40,13 +40,7 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
-from minidist.plan.cluster import (
-    Cluster,
-    attention_source,
-    efficiency_source,
-    fp8_source,
-)
-from minidist.plan.elementwise import elementwise_source
+from minidist.plan.cluster import Cluster, attention_source, efficiency_source, elementwise_source, fp8_source
 from minidist.plan.explain import LEFT_OUT, evaluate
 from minidist.plan.rank_memory import (
     BF16_MIXED,
@@ -312,7 +306,7 @@ def format_plan(plan: Plan, cfg_name: str, cfg: ModelConfig, gpus: int, seq_len:
              f"{cluster.usable_memory:.0%} usable), {global_tokens:,} tokens per step in sequences of {seq_len}",
              f"compute at {cluster.efficiency:.1%} of the {cluster.peak_flops / 1e12:.0f} TFLOP/s bf16 peak "
              f"({efficiency_source(cluster)}), attention kernels {attention_source(cluster)}, element-wise kernels "
-             f"{elementwise_source(cluster.name, cluster.hbm_bandwidth)}; links: "
+             f"{elementwise_source(cluster)}; links: "
              f"{cluster.intra.name} inside a node, {cluster.inter.name} across; " + precision_words(plan.precision) +
              recipe_words(plan.recipe, cluster),
              f"{len(plan.feasible)} layouts fit, {len(plan.rejected)} do not fit in memory",

@@ -148,11 +148,10 @@ def _routed_share(cfg: ModelConfig) -> float:
 def compute_seconds(flops: RankFlops, cluster: Cluster, attention: float, fp8: str = "",
                     rows_per_expert: float = 0.0) -> float:
     """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak but the attention kernels'
-    (their `attention` seconds, from `attention_seconds`);
-    under FP8 (`fp8` a recipe's name) the blocks' linears at `fp8_rate`, the routed experts' at their rate for
-    `rows_per_expert`. The FP8 recipe's quantization (casts and scales, element-wise passes over the linears' inputs
-    and gradients) is not charged: fused into the GEMMs' neighbours in DeepSeek-V3's kernels, and small against the
-    GEMMs at these sizes."""
+    (their `attention` seconds, from `attention_seconds`); under FP8 (`fp8` a recipe's name) the blocks' linears
+    at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The FP8 recipe's quantization (casts
+    and scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
+    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
     bf16 = flops.total - flops.attention - (flops.linears if fp8 else 0.0)
     seconds = bf16 / rate + attention
@@ -207,6 +206,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     """Predicted step time of `layout` (global_batch sequences of seq_len tokens) on `cluster` (`memo`: a search's
     dict for one model, cluster, precision and recipe: all but the replica groups' terms are the same for every
     ZeRO stage, computed once)."""
+    check_comm_sms(recipe.comm_sms, cluster)
     o = layout.options
     key = ("stage", layout.dims, o.schedule, o.microbatches, o.virtual_stages, o.cp_impl, layout.sp_degree,
            layout.recompute)
@@ -258,7 +258,6 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     # pair taking max(compute, communication) instead of their sum
     paired = paired_share(o.schedule, dims.pp, m)
     if recipe.comm_sms and ep:  # the paired chunks compute on the SMs the all-to-all's kernels leave them
-        check_comm_sms(recipe.comm_sms, cluster)
         compute *= 1 + paired * recipe.comm_sms / (cluster.sms - recipe.comm_sms)
     overlap = min(paired * (ep + pp), paired * compute)
     costs = split_costs(flops.attention / flops.total, layout.recompute)
