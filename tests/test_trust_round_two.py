@@ -27,6 +27,7 @@ from test_trust import (  # noqa: F401 - cli is a fixture
     cli,
 )
 
+from minidist import out_files
 from minidist.comm import communicator
 from minidist.comm.launch import run_ranks
 from minidist.comm.recorder import FlightRecorder
@@ -37,7 +38,8 @@ from minidist.data.corpus import load_corpus
 from minidist.debug.diff import FlightError
 from minidist.debug.diff import load as load_flight
 from minidist.model import build_model, get_preset
-from minidist.train import checkpoint, metrics, out_files, reshard, run_dir
+from minidist.out_files import LinkRefused
+from minidist.train import checkpoint, metrics, reshard, run_dir
 from minidist.train import loop as train
 from minidist.train.config import ConfigError, parse_config
 from minidist.train.plots import plot_losses
@@ -283,9 +285,16 @@ def test_hostile_hf_and_flight_files_are_one_line(tmp_path):
     # ...and the recorder never writes its record through a link.
     precious = victim(tmp_path)
     (flight / "rank0.json").unlink()
-    (flight / "rank0.json.tmp").symlink_to(precious)
-    FlightRecorder(0).write(flight / "rank0.json", "test")
-    assert precious.read_text() == "the user's precious file"
+    (flight / "rank0.json").symlink_to(precious)
+    FlightRecorder(0).write(flight / "rank0.json", "test")  # the link is replaced, not followed
+    assert precious.read_text() == "the user's precious file" and not (flight / "rank0.json").is_symlink()
+    assert json.loads((flight / "rank0.json").read_text())["reason"] == "test"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "linked").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(LinkRefused):  # a run directory that is a link is refused, as the trainer's own files are
+        FlightRecorder(0).write(tmp_path / "linked" / "rank0.json", "test")
+    assert not any(elsewhere.iterdir())
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from minidist.out_files import replace_file
+
 FORMAT = "minidist-flight/1"
 CAPACITY = 2048  # records kept per rank: a few steps of a small model, the last micro-batches of a big one
 P2P_OPS = ("send", "recv")
@@ -118,18 +120,11 @@ class FlightRecorder:
                 "records": self.records()}
 
     def write(self, path: Path, reason: str) -> Path:
-        """Write the record to `path` as JSON (via a temporary file, so a reader never sees half of it)."""
+        """Write the record to `path` as JSON, never through a symbolic link (`minidist.out_files`: a temporary
+        file renamed over it, so a reader never sees half of it)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.parent.is_symlink():  # a run directory's links may point anywhere: never write through one
-            raise ValueError(f"{path.parent} is a symbolic link; the flight record is not written through it")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.unlink(missing_ok=True)  # a link left there is removed, not followed
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644),
-                       "w") as f:
-            f.write(json.dumps(self.snapshot(reason), indent=1) + "\n")
-        os.replace(tmp, path)  # replaces a link at `path` itself
-        return path
+        return replace_file(path, (json.dumps(self.snapshot(reason), indent=1) + "\n").encode())
 
 
 def _site(filename: str, line: int, function: str) -> str:

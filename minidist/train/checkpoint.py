@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from minidist.train import out_files
+from minidist import out_files
 
 LATEST = "latest"
 META = "meta.json"

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minidist import flops, precision
+from minidist import flops, out_files, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.sampler import BatchSampler
@@ -48,7 +48,7 @@ from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
-from minidist.train import metrics, out_files, profiling, run_dir, run_state
+from minidist.train import metrics, profiling, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
 from minidist.train.config import (
     ConfigError,

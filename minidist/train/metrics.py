@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from minidist import out_files
 from minidist.comm.communicator import Comm
-from minidist.train import out_files
 
 
 class MetricsWriter:

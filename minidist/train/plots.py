@@ -12,7 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from minidist.train.out_files import replace_file
+from minidist.out_files import replace_file
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -38,5 +38,5 @@ def plot_losses(records: list[dict], path: str | os.PathLike, baseline: float | 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    path = Path(path)  # a link at `path` is replaced, never written through (minidist.train.out_files)
+    path = Path(path)  # a link at `path` is replaced, never written through (minidist.out_files)
     return replace_file(path, lambda f: fig.savefig(f, dpi=110, format=path.suffix[1:] or "png"))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minidist.train import out_files
+from minidist import out_files
 
 DIRECTORY = "profile"
 Autocast = Callable[[], contextlib.AbstractContextManager]

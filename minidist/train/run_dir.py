@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
+from minidist import out_files
 from minidist.comm.communicator import Comm
-from minidist.train import checkpoint, dashboard, out_files, profiling
+from minidist.train import checkpoint, dashboard, profiling
 from minidist.train.config import ConfigError, TrainConfig
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.json")  # any of these: OUT holds a run
@@ -46,7 +47,7 @@ LOCK_FRESH_S = 10.0  # an empty lock younger than this is a run between creating
 _TMP = r"(\.[\w.-]+\.[0-9a-f]{8}\.tmp)"
 OWN_CHECKPOINT_ENTRY = re.compile(rf"latest|\.latest\.tmp|(\.tmp_)?step_\d{{6,}}|{_TMP}")
 OWN_STEP_ENTRY = re.compile(rf"meta\.json|rank\d+\.(pt|sha256)|{_TMP}")
-OWN_FLIGHT_ENTRY = re.compile(r"rank\d+\.json(\.tmp)?|nccl_rank_?\d+[\w.-]*")
+OWN_FLIGHT_ENTRY = re.compile(rf"rank\d+\.json(\.tmp)?|{_TMP}|nccl_rank_?\d+[\w.-]*")
 OWN_BOARD_ENTRY = re.compile(r"events\.out\.tfevents\.[\w.-]+")  # SummaryWriter's names
 OWN_PROFILE_ENTRY = re.compile(r"rank\d+_steps\d+-\d+\.json|\.trace\.\w+")  # profiling.StepProfiler's
 

@@ -2,7 +2,8 @@
 
 A run directory may come from someone else (a received run, resumed), and a link in it may point anywhere:
 `OUT/loss.png -> ~/important` would turn that file into a PNG if the trainer opened the name. Every file the
-trainer writes in OUT goes through here: whole files are written to a fresh temporary name (created with O_EXCL,
+trainer and the flight recorder (`comm/recorder.py`) write in OUT goes through here, which is why it sits at the
+bottom of the package, beside `comm/`: whole files are written to a fresh temporary name (created with O_EXCL,
 which never follows a link) and renamed over the target (a rename replaces a link itself, never what it points
 to); appends open with O_NOFOLLOW. A link where a directory of the run should be is refused in one line.
 """
