@@ -19,6 +19,7 @@ from minidist.convert import hf_files, hf_tokenizer  # noqa: E402
 from minidist.convert.hf_model import ConvertError, from_hf_state, to_hf_state  # noqa: E402
 from minidist.convert.runs import main, read_hf  # noqa: E402
 from minidist.data.corpus import BatchSampler, load_corpus  # noqa: E402
+from minidist.data.tokenizer import from_tokenizer  # noqa: E402
 from minidist.model import build_model, get_preset, lm_loss  # noqa: E402
 from minidist.train import loop as train
 from minidist.train.config import TrainConfig, model_config, parse_config  # noqa: E402
@@ -304,6 +305,18 @@ def _check_tokenizer_beside_weights(run, tmp_path, capsys) -> None:
     os.mkfifo(tmp_path / "fifo_run" / "tokenizer.json")
     with pytest.raises(ConvertError, match="not a regular file"):  # never read (a FIFO would block forever)
         hf_tokenizer.read_run_tokenizer(tmp_path / "fifo_run", 256)
+
+
+def test_end_of_text_is_the_datas_end_of_document():
+    """to-hf names as the end of text the token the trainer's data ends documents with (`find_eod`), a plain
+    vocabulary entry too, not only a special added token; a tokenizer with none gets none."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "</s>": 2, "b": 3}, unk_token="[UNK]"))
+    text = tok.to_str()
+    assert hf_tokenizer.end_of_text(text) == ("</s>", 2)
+    assert from_tokenizer(tok, text, "test").eod_id == 2
+    assert hf_tokenizer.special_ids(text)["eos_token_id"] == 2
+    plain = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).to_str()
+    assert hf_tokenizer.end_of_text(plain) is None and hf_tokenizer.special_ids(plain)["eos_token_id"] is None
 
 
 def _saved(tok: Tokenizer, run):

@@ -5,9 +5,10 @@ The trainer writes its tokenizer as RUN_OUT/tokenizer.json (a Hugging Face `toke
 too). to-hf reads it as untrusted input (a regular file, at most MAX_TOKENIZER_BYTES, parsed by the `tokenizers`
 package: JSON, nothing executes), checks that every id it can produce is a row of the model's embedding, and
 writes it unchanged with a minimal `tokenizer_config.json` (the fast tokenizer's class, the model's context length,
-the end-of-text token when the tokenizer has one of the usual names as a special token; config.json's
-`eos_token_id` then names it, and `bos_token_id` is null: the trainer adds none). A run without one (older
-than its tokenizer file) gets the weights only, and to-hf says so in one line: its tokens were bytes 0..255.
+the end-of-text token when the tokenizer has one of the usual names, found by the rule the trainer's data ends its
+documents with; config.json's `eos_token_id` then names it, and `bos_token_id` is null: the trainer adds none). A
+run without one (older than its tokenizer file) gets the weights only, and to-hf says so in one line: its tokens
+were bytes 0..255.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from minidist.convert.hf_model import ConvertError
-from minidist.data.tokenizer import EOD_NAMES, MAX_TOKENIZER_BYTES, parse_tokenizer
+from minidist.data.tokenizer import MAX_TOKENIZER_BYTES, find_eod, parse_tokenizer
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -47,9 +48,9 @@ def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
 
 
 def end_of_text(text: str) -> tuple[str, int] | None:
-    """(token, id) of the tokenizer's end-of-text special token (the first of EOD_NAMES it holds), or None."""
-    special = {t.get("content"): t.get("id") for t in json.loads(text).get("added_tokens") or () if t.get("special")}
-    return next(((name, special[name]) for name in EOD_NAMES if isinstance(special.get(name), int)), None)
+    """(token, id) of the tokenizer's end-of-text token, found as the trainer's data finds its end of document
+    (`data.tokenizer.find_eod`: the first of EOD_NAMES it holds), or None."""
+    return find_eod(parse_tokenizer(text).get_vocab(with_added_tokens=True))
 
 
 def tokenizer_files(text: str, max_seq_len: int) -> dict[str, bytes]:

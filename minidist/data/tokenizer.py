@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,12 +154,20 @@ def from_tokenizer(tok, text: str, spec: str, eod_token: str | None = None) -> T
     if text == byte_tokenizer().json:
         return byte_tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
-    names = (eod_token,) if eod_token is not None else EOD_NAMES
-    eod = next((vocab[n] for n in names if n in vocab), None)
+    eod = find_eod(vocab, eod_token)
     if eod is None:
+        names = (eod_token,) if eod_token is not None else EOD_NAMES
         raise ValueError(f"tokenizer {spec!r} has no end-of-document token (looked for {', '.join(names)}); "
                          "name one that it has with --eod-token")
-    return TextTokenizer(spec, text, max(vocab.values()) + 1, eod)
+    return TextTokenizer(spec, text, max(vocab.values()) + 1, eod[1])
+
+
+def find_eod(vocab: Mapping[str, int], eod_token: str | None = None) -> tuple[str, int] | None:
+    """(token, id) of the end-of-document token in `vocab` (token -> id, added tokens included): `eod_token` when
+    given, else the first of EOD_NAMES it holds; None when it holds none. The one rule for the trainer's data and
+    for what `convert to-hf` names as the end of text."""
+    names = (eod_token,) if eod_token is not None else EOD_NAMES
+    return next(((name, vocab[name]) for name in names if name in vocab), None)
 
 
 def resolve_tokenizer(spec: str, texts: Iterable[str] | None = None, eod_token: str | None = None) -> TextTokenizer:
