@@ -8,15 +8,21 @@ The command line of the layout search (`search`): its one-line errors for bad in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+import torch
 
 from minidist.hardware import MAMF_SOURCE, node_chips
 from minidist.model.config import ALL_PRESETS, ModelConfig, get_preset
+from minidist.out_files import refuse_link, replace_file
 from minidist.parallel.layout import Layout
 from minidist.plan.cluster import DEFAULT_EFFICIENCY, Cluster, cluster_for_chip, fp8_rate
 from minidist.plan.explain import evaluate, format_explain, parse_settings
+from minidist.plan.gemm_table import MEASURE_ROWS, GemmTable, load_gemm_table, measure_gemm_table, model_gemm_grid
 from minidist.plan.rank_memory import PRECISIONS
 from minidist.plan.search import (
     FP8_CHOICES,
@@ -69,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--comm-sms", type=int, default=0, metavar="N",
                         help="SMs the expert all-to-all's kernels hold beside DualPipeV's paired compute, as "
                              "DeepSeek-V3's 20 of the H800's 132 (the paired compute slows to the rest); default 0")
+    parser.add_argument("--gemm-table", metavar="FILE", default=None,
+                        help="the blocks' bf16 linears at the GEMM rates by shape FILE holds (written by "
+                             "--measure-gemms on the chip planned for), not at one efficiency of the peak")
+    parser.add_argument("--measure-gemms", metavar="FILE", default=None,
+                        help="measure the GEMM rates of --model's linears by shape on this machine (CUDA in bf16, "
+                             "else the CPU in fp32: every tp degree up to --gpus-per-node, 128 to 32,768 rows) and "
+                             "write them to FILE; plan with --gemm-table FILE")
     parser.add_argument("--explain", metavar="SETTINGS", default=None,
                         help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
                              "rest as the search would choose them): memory per pipeline stage, step time by term, "
@@ -94,6 +107,31 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
     return 0
 
 
+def gpu_table(table: GemmTable) -> GemmTable:
+    """`table`, unless it was measured on a CPU: the command line plans GPUs (one-line ValueError)."""
+    if table.device.startswith("cpu"):
+        raise ValueError(f"--gemm-table {table.source} was measured on a CPU ({table.device}); measure the GPU you "
+                         "plan for with --measure-gemms on it")
+    return table
+
+
+def _measure_gemms(cfg: ModelConfig, gpus_per_node: int, path: Path) -> int:
+    """--measure-gemms: every shape `model_gemm_grid` lists, timed on this machine's device, written to `path`."""
+    if path.is_dir():
+        raise ValueError(f"--measure-gemms {path} is a directory; name the table's file")
+    refuse_link(path.parent if str(path.parent) else Path("."))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tps = [tp for tp in range(1, gpus_per_node + 1) if cfg.n_heads % tp == 0]
+    shapes = model_gemm_grid(cfg, tps, MEASURE_ROWS)
+    print(f"measuring {len(shapes)} GEMM shapes on {device.type} in {dtype} (tp {tps}, rows {MEASURE_ROWS[0]} to "
+          f"{MEASURE_ROWS[-1]})", file=sys.stderr)
+    table = measure_gemm_table(shapes, device, dtype, progress=lambda line: print(line, file=sys.stderr))
+    replace_file(path, table.to_json().encode())
+    print(f"wrote {path}: {len(table.rates)} shapes measured on {table.device}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -109,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
         seq_len = args.seq_len or cfg.max_seq_len
         tokens = parse_tokens(args.global_batch_tokens)
+        if args.measure_gemms is not None:
+            return _measure_gemms(cfg, args.gpus_per_node, Path(args.measure_gemms))
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
+        if args.gemm_table is not None:
+            cluster = dataclasses.replace(cluster, gemm_table=gpu_table(load_gemm_table(args.gemm_table)))
         settings = parse_settings(args.explain) if args.explain is not None else None
         if args.fp8 != "none":
             fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search

@@ -22,6 +22,7 @@ from minidist.hardware import (
     node_chips,
     peak_flops,
 )
+from minidist.plan.gemm_table import GemmTable
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of the dense peak a large training matmul reaches (MFU ~40% once comm is in)
 
@@ -42,6 +43,7 @@ class Cluster:
     attention_kernel: AttentionKernel | None = None  # its measured rates by length (None: at the matmul rate)
     hbm_bandwidth: float = 0.0  # bytes/s of the chip's memory (0: element-wise kernels not charged)
     sms: int = 0  # the chip's streaming multiprocessors (0: none on record)
+    gemm_table: GemmTable | None = None  # bf16 GEMM rates by shape, measured (None: every GEMM at `efficiency`)
 
     @property
     def budget(self) -> float:
@@ -81,8 +83,14 @@ def efficiency_source(cluster: Cluster) -> str:
     """Where the cluster's compute efficiency comes from, in words."""
     published = chip(cluster.name).matmul_efficiency if cluster.name in node_chips() else None
     if published is not None and cluster.efficiency == published:
-        return f"the best bf16 matmul measured on {cluster.name} ({MAMF_SOURCE})"
-    return "given" if cluster.efficiency != DEFAULT_EFFICIENCY else "the default (no published matmul figure)"
+        words = f"the best bf16 matmul measured on {cluster.name} ({MAMF_SOURCE})"
+    else:
+        words = "given" if cluster.efficiency != DEFAULT_EFFICIENCY else "the default (no published matmul figure)"
+    table = cluster.gemm_table
+    if table is None:
+        return words
+    return (f"{words}; the blocks' bf16 linears at the {table.dtype} GEMM rates by shape measured on {table.device} "
+            f"({table.source}: {len(table.rates):,} shapes), a shape outside it at that efficiency")
 
 
 def fp8_rate(cluster: Cluster, fp8: str, rows_per_expert: float | None = None) -> float:

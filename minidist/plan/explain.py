@@ -19,10 +19,11 @@ from minidist.plan.rank_memory import MemoryEstimate, Precision, estimate_memory
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, StepTime, TokenFlops, attention_shape, predict_step
 
 # What the planner does not model, said with every explanation (each is its own chapter or issue).
-LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM; FP8 blockwise at DeepGEMM's "
-            "rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the bf16 "
-            "efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length and mask "
-            "only, at head dim 128 whatever the model's)",
+LEFT_OUT = ("kernels' efficiency by shape (one bf16 matmul efficiency for every GEMM, or, with --gemm-table, the "
+            "blocks' bf16 linears by their shapes' measured rates and the head at that efficiency; FP8 blockwise at "
+            "DeepGEMM's rates at DeepSeek-V3's shapes, its routed experts by rows per expert, the other recipes at the "
+            "bf16 efficiency of the FP8 peak; FP8's quantization not charged; the attention kernels by key length and "
+            "mask only, at head dim 128 whatever the model's)",
             "element-wise kernels beyond one pass each over their inputs and outputs at the datasheet memory bandwidth "
             "(the head's cross-entropy, the router's scores and the optimizer step not charged)",
             "Ulysses context parallelism in the search (--explain cp_impl=ulysses models it; the search tries the ring "
@@ -95,5 +96,8 @@ def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepT
     lines += ["step time:"] + time_terms(time)
     lines += [f"  the attention kernels: queries meet up to {key_len:,} keys per kernel, {causal:.0%} of their work "
               "under the causal mask" + (" (the rest whole tiles)" if causal < 1 else "")]
+    if time.linear_rate:
+        lines += [f"  the blocks' linears: {time.linear_rate / 1e12:,.1f} TFLOP/s by their shapes' measured rates"
+                  + (f" ({time.unmeasured} shapes outside the table, at the efficiency)" if time.unmeasured else "")]
     lines += ["not modelled: " + "; ".join(LEFT_OUT)]
     return "\n".join(lines)

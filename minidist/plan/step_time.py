@@ -47,6 +47,7 @@ per GPU, the routing's imbalance, optimizer time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from minidist.flops import _is_moe_layer, _moe_mlp, attention_flops_per_token, mfu_flops_per_token
@@ -59,6 +60,7 @@ from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan.cluster import Cluster, fp8_rate
 from minidist.plan.elementwise import elementwise_seconds
+from minidist.plan.gemm_table import layer_gemms, linear_rate, training_gemms
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
@@ -77,6 +79,8 @@ class StepTime:
     hidden: float  # communication overlapped with compute (not in total)
     attention: float = 0.0  # of `compute`: the attention kernels' seconds
     elementwise: float = 0.0  # of `compute`: the element-wise kernels' (`plan.elementwise`)
+    linear_rate: float = 0.0  # FLOP/s of the blocks' bf16 linears from a measured GEMM table (0: none)
+    unmeasured: int = 0  # of their GEMM shapes, those outside the table (at the cluster's efficiency)
 
     @property
     def total(self) -> float:
@@ -146,19 +150,34 @@ def _routed_share(cfg: ModelConfig) -> float:
 
 
 def compute_seconds(flops: RankFlops, cluster: Cluster, attention: float, fp8: str = "",
-                    rows_per_expert: float = 0.0) -> float:
+                    rows_per_expert: float = 0.0, linear_rate: float | None = None) -> float:
     """Seconds of compute: every FLOP at the cluster's matmul efficiency of the bf16 peak but the attention kernels'
-    (their `attention` seconds, from `attention_seconds`); under FP8 (`fp8` a recipe's name) the blocks' linears
-    at `fp8_rate`, the routed experts' at their rate for `rows_per_expert`. The FP8 recipe's quantization (casts
-    and scales, element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs'
-    neighbours in DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
+    (their `attention` seconds, from `attention_seconds`) and the blocks' linears: in bf16 at `linear_rate` when
+    given (their shapes' measured rates, `layout_linear_rate`); under FP8 (`fp8` a recipe's name) at `fp8_rate`,
+    the routed experts' at their rate for `rows_per_expert`. The FP8 recipe's quantization (casts and scales,
+    element-wise passes over the linears' inputs and gradients) is not charged: fused into the GEMMs' neighbours in
+    DeepSeek-V3's kernels, and small against the GEMMs at these sizes."""
     rate = cluster.peak_flops * cluster.efficiency
-    bf16 = flops.total - flops.attention - (flops.linears if fp8 else 0.0)
-    seconds = bf16 / rate + attention
+    seconds = (flops.total - flops.attention - flops.linears) / rate + attention
     if not fp8:
-        return seconds
+        return seconds + flops.linears / (linear_rate or rate)
     return (seconds + (flops.linears - flops.experts) / fp8_rate(cluster, fp8)
             + flops.experts / fp8_rate(cluster, fp8, rows_per_expert))
+
+
+def layout_linear_rate(cfg: ModelConfig, layout: Layout, cluster: Cluster, tokens: int, rows_per_expert: float,
+                       kinds: tuple[int, int]) -> tuple[float | None, int]:
+    """(FLOP/s of the busiest stage's linears in bf16 from the cluster's measured GEMM table, or None without one;
+    how many of their shapes the table does not cover): `tokens` rows per micro-batch, `kinds` its (dense, MoE)
+    layers (`gemm_table.linear_rate`)."""
+    if cluster.gemm_table is None:
+        return None, 0
+    dims = layout.dims
+    per_layer = layer_gemms(cfg, dims.tp, tokens, rows_per_expert, dims.ep)
+    forward = [(shape, count * layers) for kind, layers in zip(("dense", "moe"), kinds, strict=True)
+               for shape, count in per_layer[kind]]
+    gemms = training_gemms(forward, 2 if layout.recompute == "full" else 1)
+    return linear_rate(cluster.gemm_table, gemms, cluster.peak_flops * cluster.efficiency)
 
 
 def attention_seconds(flops: RankFlops, cluster: Cluster, key_len: float, causal_share: float = 1.0) -> float:
@@ -213,8 +232,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
     stage = memoized(memo, key, lambda: _stage_time(cfg, layout, seq_len, global_batch, cluster, precision,
                                                     per_token, recipe))
     dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
-    return StepTime(stage.compute, stage.bubble, stage.tp, stage.cp, stage.ep, stage.pp, dp_exposed,
-                    stage.hidden + dp_hidden, stage.attention, stage.elementwise)
+    return dataclasses.replace(stage, dp=dp_exposed, hidden=stage.hidden + dp_hidden)
 
 
 def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
@@ -232,7 +250,9 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     attention = attention_seconds(flops, cluster, key_len, causal)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
     elementwise = elementwise_seconds(cfg, layout, m * tokens, (dense_layers, moe_layers), p, cluster.hbm_bandwidth)
-    compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert) + elementwise
+    linear_rate, unmeasured = layout_linear_rate(cfg, layout, cluster, tokens, rows_per_expert,
+                                                 (dense_layers, moe_layers))
+    compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert, linear_rate) + elementwise
     # full recomputation runs each block's forward again; selective replays its element-wise operators and the
     # collectives between them (tp's reductions, cp's ring, ep's all-to-alls), not its matmuls
     again = 0 if layout.recompute == "none" else 1
@@ -264,7 +284,7 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     bubble = pipeline_bubble(o.schedule, dims.pp, m, o.virtual_stages, costs)
     share = overlap / (ep + pp) if overlap else 0.0
     return StepTime(compute, bubble, tp, cp_exposed, ep * (1 - share), pp * (1 - share), 0.0, cp_hidden + overlap,
-                    attention, elementwise)
+                    attention, elementwise, linear_rate or 0.0, unmeasured)
 
 
 def attention_shape(layout: Layout, seq_len: int) -> tuple[int, float]:
