@@ -7,6 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,7 @@ from minidist.parallel import Layout
 from minidist.plan import cli
 from minidist.plan.cluster import cluster_for_chip
 from minidist.plan.gemm_table import (
+    MEASURE_ROWS,
     GemmTable,
     layer_gemms,
     linear_rate,
@@ -28,6 +33,7 @@ from minidist.plan.rank_memory import BF16_MIXED, busiest_stage_kinds
 from minidist.plan.step_time import predict_step, step_flops_per_rank
 
 SEQ, SEQUENCES = 4096, 64
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def forward_flops(cfg, tp: int, tokens: int, ep: int = 1) -> float:
@@ -170,3 +176,17 @@ def test_measure_and_plan_on_the_command_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "link").symlink_to(elsewhere, target_is_directory=True)
     assert cli.main(["--model", "tiny", "--measure-gemms", str(tmp_path / "link" / "t.json")]) == 2
     assert "symbolic link" in capsys.readouterr().err and not any(elsewhere.iterdir())
+
+
+@pytest.mark.timeout(240)
+def test_prepared_gpu_script_cpu_path(tmp_path):
+    """scripts/measure_gemms.sh, the prepared run for a GPU machine: its CPU path measures the table and says that
+    it plans nothing with it (a CPU's rates cannot plan a GPU)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "measure_gemms.sh"), "--model", "tiny", "--out",
+                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=230)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no GPU here, the table is measured only" in result.stdout
+    table = load_gemm_table(tmp_path / "tiny.json")
+    assert table.device.startswith("cpu") and set(table.rates) == set(model_gemm_grid(get_preset("tiny"), [1, 2, 4],
+                                                                                      MEASURE_ROWS))
