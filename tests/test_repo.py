@@ -67,6 +67,17 @@ def test_notebook_is_stored_stripped(path: Path) -> None:
         assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_cells_have_unique_ids(path: Path) -> None:
+    """nbformat 4.5 gives every cell an id (a missing one is a warning now, an error in future nbformat)."""
+    notebook = json.loads(path.read_text())
+    ids = [cell.get("id") for cell in notebook["cells"]]
+    missing = [i for i, cell_id in enumerate(ids) if not cell_id]
+    assert not missing, f"{path.name}: cells {missing} have no id"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) >= (4, 5), f"{path.name}: nbformat below 4.5"
+
+
 def _requirement_name(spec: str) -> str:
     # "torch==2.13.0" -> "torch"; "pytest-timeout" -> "pytest-timeout"; names compare case- and _/- insensitively.
     return re.split(r"[<>=!~;\[\s]", spec.strip(), maxsplit=1)[0].lower().replace("_", "-")
