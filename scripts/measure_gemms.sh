@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GEMM rates by shape for the planner (chapter 12), the prepared run for a GPU machine. From the checkout:
-#   scripts/measure_gemms.sh [--out DIR] [--model PRESET]   # llama3-405b: about 2 minutes on one H100/H200
+#   scripts/measure_gemms.sh [--out DIR] [--model PRESET] [--seconds S]   # llama3-405b: ~2 min on one H100/H200
 # 1. `python -m minidist.plan --measure-gemms`: every shape of the model's linears (forward, input and weight
 #    gradients; tp 1 to 8; 128 to 32,768 rows) timed on this machine's GPU in bf16, written to DIR/PRESET.json.
 # 2. (on a GPU, llama3-405b) Llama 3's 16,384-GPU setting planned with that table, with Megatron's kernels and with
@@ -12,11 +12,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python}"
 OUT=""
 MODEL=llama3-405b
+SECONDS_PER_SHAPE=0.05
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --model) MODEL="$2"; shift 2 ;;
-    *) echo "usage: scripts/measure_gemms.sh [--out DIR] [--model PRESET]" >&2; exit 2 ;;
+    --seconds) SECONDS_PER_SHAPE="$2"; shift 2 ;;
+    *) echo "usage: scripts/measure_gemms.sh [--out DIR] [--model PRESET] [--seconds S]" >&2; exit 2 ;;
   esac
 done
 OUT="${OUT:-$(mktemp -d)}"
@@ -25,7 +27,7 @@ TABLE="$OUT/$MODEL.json"
 started=$(date +%s)
 
 echo "== 1. GEMM rates by shape for $MODEL"
-"$PY" -m minidist.plan --model "$MODEL" --measure-gemms "$TABLE"
+"$PY" -m minidist.plan --model "$MODEL" --measure-gemms "$TABLE" --measure-seconds "$SECONDS_PER_SHAPE"
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "measure_gemms: no GPU here, the table is measured only ($TABLE); $(( $(date +%s) - started )) s"

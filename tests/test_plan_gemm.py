@@ -156,7 +156,8 @@ def test_measure_and_plan_on_the_command_line(tmp_path, capsys, monkeypatch):
     CPU's table, in one line; a GPU's table is used, and --explain says at what rate the linears ran."""
     monkeypatch.setattr(cli, "MEASURE_ROWS", (128, 256))
     out = tmp_path / "gemms.json"
-    assert cli.main(["--model", "tiny", "--gpus-per-node", "2", "--measure-gemms", str(out)]) == 0
+    assert cli.main(["--model", "tiny", "--gpus-per-node", "2", "--measure-gemms", str(out),
+                     "--measure-seconds", "0.01"]) == 0
     captured = capsys.readouterr()
     assert f"wrote {out}" in captured.out and "measured" in captured.err
     table = load_gemm_table(out)
@@ -176,6 +177,8 @@ def test_measure_and_plan_on_the_command_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "link").symlink_to(elsewhere, target_is_directory=True)
     assert cli.main(["--model", "tiny", "--measure-gemms", str(tmp_path / "link" / "t.json")]) == 2
     assert "symbolic link" in capsys.readouterr().err and not any(elsewhere.iterdir())
+    assert cli.main(["--model", "tiny", "--measure-gemms", str(out), "--measure-seconds", "0"]) == 2
+    assert "--measure-seconds must be in (0, 60]" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(240)
@@ -183,8 +186,8 @@ def test_prepared_gpu_script_cpu_path(tmp_path):
     """scripts/measure_gemms.sh, the prepared run for a GPU machine: its CPU path measures the table and says that
     it plans nothing with it (a CPU's rates cannot plan a GPU)."""
     env = {**os.environ, "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "measure_gemms.sh"), "--model", "tiny", "--out",
-                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=230)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "measure_gemms.sh"), "--model", "tiny", "--seconds",
+                             "0.002", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=230)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "no GPU here, the table is measured only" in result.stdout
     table = load_gemm_table(tmp_path / "tiny.json")

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure the GEMM rates of --model's linears by shape on this machine (CUDA in bf16, "
                              "else the CPU in fp32: every tp degree up to --gpus-per-node, 128 to 32,768 rows) and "
                              "write them to FILE; plan with --gemm-table FILE")
+    parser.add_argument("--measure-seconds", type=float, default=0.05, metavar="S",
+                        help="--measure-gemms: seconds of timing per shape, after a warm-up call (default 0.05)")
     parser.add_argument("--explain", metavar="SETTINGS", default=None,
                         help='one layout in detail, e.g. "dp=128 tp=8 pp=16 cp=1 ep=1" (any Layout.of setting; the '
                              "rest as the search would choose them): memory per pipeline stage, step time by term, "
@@ -115,8 +117,10 @@ def gpu_table(table: GemmTable) -> GemmTable:
     return table
 
 
-def _measure_gemms(cfg: ModelConfig, gpus_per_node: int, path: Path) -> int:
+def _measure_gemms(cfg: ModelConfig, gpus_per_node: int, path: Path, seconds: float) -> int:
     """--measure-gemms: every shape `model_gemm_grid` lists, timed on this machine's device, written to `path`."""
+    if not 0 < seconds <= 60:
+        raise ValueError(f"--measure-seconds must be in (0, 60], got {seconds}")
     if path.is_dir():
         raise ValueError(f"--measure-gemms {path} is a directory; name the table's file")
     refuse_link(path.parent if str(path.parent) else Path("."))
@@ -126,7 +130,7 @@ def _measure_gemms(cfg: ModelConfig, gpus_per_node: int, path: Path) -> int:
     shapes = model_gemm_grid(cfg, tps, MEASURE_ROWS)
     print(f"measuring {len(shapes)} GEMM shapes on {device.type} in {dtype} (tp {tps}, rows {MEASURE_ROWS[0]} to "
           f"{MEASURE_ROWS[-1]})", file=sys.stderr)
-    table = measure_gemm_table(shapes, device, dtype, progress=lambda line: print(line, file=sys.stderr))
+    table = measure_gemm_table(shapes, device, dtype, seconds, progress=lambda line: print(line, file=sys.stderr))
     replace_file(path, table.to_json().encode())
     print(f"wrote {path}: {len(table.rates)} shapes measured on {table.device}")
     return 0
@@ -148,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seq_len = args.seq_len or cfg.max_seq_len
         tokens = parse_tokens(args.global_batch_tokens)
         if args.measure_gemms is not None:
-            return _measure_gemms(cfg, args.gpus_per_node, Path(args.measure_gemms))
+            return _measure_gemms(cfg, args.gpus_per_node, Path(args.measure_gemms), args.measure_seconds)
         cluster = cluster_for_chip(args.gpu, args.gpus_per_node, args.efficiency)
         if args.gemm_table is not None:
             cluster = dataclasses.replace(cluster, gemm_table=gpu_table(load_gemm_table(args.gemm_table)))
