@@ -9,10 +9,17 @@ The grid (chapter 12 §1): ranks sit on (pp, dp, cp, tp), row-major, tp fastest:
 rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i. The data-parallel replicas are the dp·cp ranks with the same pp and
 tp indices, numbered dp_cp = dp_i·cp + cp_i; ep is carved out of them, ep fastest: dp_cp = edp_i·ep + ep_i.
 
+linear_training_seconds is graded against `minidist.plan.gemm_table` (`training_gemms`, the FLOP-weighted rate)
+with a rate that differs for every shape, so that a transposed gradient GEMM shows.
+
 block_activation_bytes is graded against tensor accounting: the bytes autograd really saves in one of
 minidist's dense blocks (`minidist.memory.PeakSavedBytes`), for several shapes; its tp and sequence-parallel cases
 against `minidist.plan.rank_memory.layer_activation_bytes`, which the package's own tests measure on real ranks.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def rank_coordinates(rank: int, dp: int, tp: int, pp: int, cp: int, ep: int) -> dict[str, int]:
@@ -90,3 +97,19 @@ def block_activation_bytes(tokens: int, d_model: int, n_heads: int, n_kv_heads: 
     Check yourself before the grader does: build a one-layer model, run its block under PeakSavedBytes, compare.
     """
     raise NotImplementedError("exercise: op by op, the tensors the block's backward needs")
+
+
+def linear_training_seconds(forward: list[tuple[int, int, int, float]], rate_of: Callable[[int, int, int], float],
+                            recompute: bool = False) -> float:
+    """Seconds of a layer's linear GEMMs in one training step, each GEMM at the rate its own shape runs.
+
+    `forward` lists the layer's forward GEMMs on one rank as (m, k, n, count): `count` products of an m×k input (m
+    rows: the micro-batch's tokens) by a k×n weight. `rate_of(m, k, n)` is the FLOP/s a GEMM of an m×k by a k×n
+    matrix reaches (a measured table, chapter 12 "Matmul rates by shape"); a GEMM of that shape does 2·m·k·n FLOPs.
+    Training runs more than the forward: for Y = X·W, the backward computes the input's gradient dX = dY·Wᵀ and the
+    weight's gradient dW = Xᵀ·dY. Write each as (rows, reduction, columns) from the shapes of its two factors —
+    which one reduces over the tokens? Full recomputation (`recompute`) runs every forward GEMM a second time.
+    Sum each GEMM's FLOPs over its own rate: averaging the rates instead would weight a small, slow GEMM as much as
+    a large, fast one.
+    """
+    raise NotImplementedError("exercise: the forward, dX and dW of each GEMM, each at its own shape's rate")

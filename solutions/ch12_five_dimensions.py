@@ -1,6 +1,10 @@
 """Chapter 12 exercises (reference answers): the rank grid of five dimensions, and a memory estimate per rank:
 model states, activations of one block, and the 1F1B pipeline's micro-batches in flight."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 
 def rank_coordinates(rank: int, dp: int, tp: int, pp: int, cp: int, ep: int) -> dict[str, int]:
     """A rank's index along pp, dp, cp, tp and the derived dp_cp, ep, edp (see the exercise's docstring)."""
@@ -57,3 +61,14 @@ def block_activation_bytes(tokens: int, d_model: int, n_heads: int, n_kv_heads: 
     # SwiGLU: gate and up outputs (the product needs both), silu(gate), and the product (w_down's input).
     mlp = 4 * p * n * d_ff / tp
     return 2 * norm + attention + mlp
+
+
+def linear_training_seconds(forward: list[tuple[int, int, int, float]], rate_of: Callable[[int, int, int], float],
+                            recompute: bool = False) -> float:
+    """Seconds of a layer's linear GEMMs in one training step, each at its shape's rate (see the exercise)."""
+    seconds = 0.0
+    for m, k, n, count in forward:
+        passes = (((m, k, n), 2 if recompute else 1), ((m, n, k), 1), ((k, m, n), 1))
+        for (a, b, c), times in passes:
+            seconds += times * count * 2.0 * a * b * c / rate_of(a, b, c)
+    return seconds

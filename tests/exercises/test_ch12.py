@@ -2,7 +2,8 @@
 
 `pytest tests/exercises -k ch12` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
 Oracles: `minidist.comm.topology` (coordinates, group_ranks), `minidist.plan.rank_memory.model_state_bytes` (on a small
-MoE model's real parameter counts) and the 1F1B schedule `minidist.parallel.pp.schedules` builds.
+MoE model's real parameter counts), the 1F1B schedule `minidist.parallel.pp.schedules` builds, and
+`minidist.plan.gemm_table.training_gemms` (the training GEMMs of a forward, each timed at its own shape's rate).
 """
 
 import random
@@ -14,6 +15,7 @@ from minidist.comm.topology import ParallelDims, coordinates, group_ranks
 from minidist.model import get_preset
 from minidist.parallel import Layout
 from minidist.parallel.pp.schedules import build_schedule
+from minidist.plan.gemm_table import layer_gemms, training_gemms
 from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
@@ -210,3 +212,48 @@ def test_ch12_block_activation_bytes_with_full_recompute(impl: str, sp: bool) ->
     assert got == pytest.approx(want), (
         f"block_activation_bytes, full recompute, tp 2, sp {sp}: {got:,.0f}, expected {want:,.0f} — a recomputed "
         "block keeps only its input, p·tokens·d_model" + (", on the sequence shard under SP (÷ tp)" if sp else ""))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# linear_training_seconds: against the planner's GEMM list and its FLOP-weighted rate
+
+
+def _rate_of(m: int, k: int, n: int) -> float:
+    """FLOP/s that differ for every permutation of a shape, so that a transposed GEMM shows."""
+    return 1e12 * (1 + m / 1e4) * (1 + 2 * k / 1e4) * (1 + 3 * n / 1e4)
+
+
+def _seconds(gemms) -> float:
+    return sum(count * 2.0 * m * k * n / _rate_of(m, k, n) for (m, k, n), _, count in gemms)
+
+
+def _linear_hint(got: float, forward, recompute: bool) -> str:
+    """Name the slip that reproduces `got`."""
+    as_forward = [((m, k, n), 0, c * (3 + recompute)) for (m, k, n), c in forward]
+    swapped = [g for (m, k, n), c in forward
+               for g in (((m, k, n), 0, c * (1 + recompute)), ((m, n, k), 0, c), ((m, k, n), 0, c))]
+    flops = sum(2.0 * m * k * n * c * (3 + recompute) for (m, k, n), c in forward)
+    mean_rate = sum(_rate_of(*s) for s, _ in forward) / len(forward)
+    for seconds, hint in ((_seconds(as_forward), "every backward GEMM timed at the forward's shape: dX = dY·Wᵀ is "
+                           "(m, n, k), dW = Xᵀ·dY is (k, m, n), its reduction over the m tokens"),
+                          (_seconds(swapped), "the weight gradient timed as (m, k, n): Xᵀ is k×m, so dW = Xᵀ·dY is "
+                           "(k, m, n), a GEMM that reduces over the tokens"),
+                          (_seconds(training_gemms(forward, 1)), "full recomputation runs each forward GEMM twice"),
+                          (flops / mean_rate, "FLOPs over the mean rate: sum each GEMM's FLOPs over its own rate")):
+        if got == pytest.approx(seconds, rel=1e-9):
+            return f" — {hint}"
+    return ""
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_ch12_linear_training_seconds(impl: str, recompute: bool) -> None:
+    seconds_of = load(impl, MODULE, "linear_training_seconds")
+    cases = {"one square GEMM": [((4096, 4096, 4096), 1.0)],
+             "Llama 3 8B's attention and MLP on a tp-2 rank, 2,048 tokens":
+                 [(shape, count) for shape, count in layer_gemms(get_preset("llama3-8b"), 2, 2048, 0.0)["dense"]],
+             "narrow and wide": [((1024, 128, 8192), 2.0), ((8192, 8192, 128), 1.0)]}
+    for name, forward in cases.items():
+        want = _seconds(training_gemms(forward, 2 if recompute else 1))
+        got = seconds_of([(m, k, n, c) for (m, k, n), c in forward], _rate_of, recompute)
+        assert got == pytest.approx(want, rel=1e-9), \
+            f"{name}, recompute={recompute}: got {got:.6g} s, want {want:.6g}" + _linear_hint(got, forward, recompute)
