@@ -173,3 +173,33 @@ def test_the_model_prepares_each_cores_mask_before_the_blocks_run():
     docs = Documents.build(document_ids(tokens, EOD))
     CausalAttention().prepare_documents(docs)
     assert docs.block_mask is None  # a CPU tensor: SDPA's dense mask at attention time, no BlockMask
+
+
+def test_a_built_documents_is_used_as_it_is(monkeypatch):
+    """A pipeline builds one `Documents` per micro-batch and hands it to each of its chunks: the model uses it as
+    it is (its cores get that object, no second build), so a GPU builds each micro-batch's BlockMask once."""
+    from minidist.model.attention import CausalAttention
+
+    seen = []
+
+    class Spy(CausalAttention):
+        def prepare_documents(self, docs):
+            seen.append(docs)
+            super().prepare_documents(docs)
+
+    model = build_model(get_preset("tiny"), seed=0)
+    for block in model.blocks:
+        block.attn.core = Spy()
+    tokens = torch.randint(0, 200, (2, 16))
+    tokens[:, 5] = EOD
+    ids = document_ids(tokens, EOD)
+    documents = Documents.build(ids)
+    builds = []
+    monkeypatch.setattr(Documents, "build", classmethod(lambda cls, i: builds.append(i) or cls(i)))
+    hidden = model(tokens, docs=documents, blocks=[0], head=False)  # chunk 0 of a pipeline
+    logits = model(hidden, docs=documents, blocks=[1], embed=False)  # chunk 1, the same micro-batch
+    assert builds == [] and len(seen) == 2 and all(d is documents for d in seen)
+    torch.testing.assert_close(logits, model(tokens, docs=ids, blocks=[0, 1]), rtol=0, atol=0)
+    assert len(builds) == 1  # ids alone: built here, once for the forward
+    with pytest.raises(ValueError, match="document ids for 2 rows, but the batch has 1"):
+        model(tokens[:1], docs=documents)

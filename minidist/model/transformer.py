@@ -76,12 +76,15 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, docs: torch.Tensor | None = None,
-                blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                docs: torch.Tensor | Documents | None = None, blocks: Sequence[int] | None = None, embed: bool = True,
+                head: bool = True) -> torch.Tensor:
         """Logits [B, T, vocab] for tokens [B, T]; positions [T] (or per row, [B, T]) default to 0..T−1.
 
         `docs`: the document id of every token of the whole sequence [B, T] (`minidist.model.documents`):
-        attention stays within each document (pass positions that restart at each document too).
+        attention stays within each document (pass positions that restart at each document too). A `Documents`
+        built from them is used as it is, with the masks it already holds: a pipeline builds one per micro-batch
+        and hands it to each of its chunks, so that a GPU builds each micro-batch's BlockMask once, not per chunk.
 
         The keywords run a part of the model, for pipeline stages: only the blocks whose indices are in `blocks`
         (in that order; default all), with embed=False taking hidden states [B, T, d] instead of tokens and
@@ -95,10 +98,10 @@ class Transformer(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
-        if docs is not None and docs.shape[0] != x.shape[0]:
-            raise ValueError(f"document ids for {docs.shape[0]} rows, but the batch has {x.shape[0]}")
+        documents = docs if isinstance(docs, Documents) or docs is None else Documents.build(docs)  # one per forward
+        if documents is not None and documents.ids.shape[0] != x.shape[0]:
+            raise ValueError(f"document ids for {documents.ids.shape[0]} rows, but the batch has {x.shape[0]}")
         run = range(len(self.blocks)) if blocks is None else blocks
-        documents = Documents.build(docs) if docs is not None else None  # one mask for every block
         if documents is not None:  # built here, before the blocks: a compiled block only reads it
             cores = {id(m): m for i in run for m in self.blocks[i].modules() if hasattr(m, "prepare_documents")}
             for core in cores.values():

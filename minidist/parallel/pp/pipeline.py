@@ -35,7 +35,7 @@ from torch import nn
 from minidist.comm.communicator import Comm
 from minidist.memory import PeakSavedBytes
 from minidist.model import ModelConfig, Transformer, lm_loss
-from minidist.model.documents import Docs
+from minidist.model.documents import Docs, Documents
 from minidist.parallel.placement import placement_of
 from minidist.parallel.pp.nccl_model import Post, Wait
 from minidist.parallel.pp.p2p import InFlight, Message, Planned, due_by_action, message_of, p2p_program
@@ -143,7 +143,7 @@ class StageModule(Transformer):
             param.placement = dataclasses.replace(placement_of(param), stage=pp_rank)
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None,
-                      docs: torch.Tensor | None = None) -> torch.Tensor:
+                      docs: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """Chunk 0 takes tokens [B, T], the others hidden states [B, T, d]; the last returns logits."""
         if chunk not in self.layers:
             raise ValueError(f"chunk {chunk} is not on pipeline rank {self.pp_rank} (it holds {self.chunks})")
@@ -348,7 +348,8 @@ class PipelineRunner:
         """Run `actions`, each after the program's posts and waits due before it, then wait for the last sends."""
         device = batches[0][0].device  # the compute device: accumulators and receive buffers live there
         positions = positions or [torch.arange(tokens.shape[1], device=tokens.device) for tokens, _ in batches]
-        s = _StepState(batches, list(zip(positions, docs or [None] * len(batches))), autocast, no_sync, loss_scale,
+        docs = [Documents.build(d) if d is not None else None for d in docs or [None] * len(batches)]  # chunks share it
+        s = _StepState(batches, list(zip(positions, docs)), autocast, no_sync, loss_scale,
                        wire=InFlight(self.comm, self.activation_dtype, device), chunks=self.stage.chunks,
                        last_backward=next(((a.mb, a.chunk) for a in reversed(actions) if a.kind in (B, W)), None),
                        loss_sum=torch.zeros((), dtype=torch.float32, device=device),
@@ -446,5 +447,4 @@ class PipelineRunner:
 
     _HANDLERS: dict[str, Callable[[PipelineRunner, _StepState, Action], None]] = {
         F: _forward, B: _backward, W: _backward_weight, RECV_F: _receive_forward, RECV_B: _receive_backward,
-        SEND_F: _send, SEND_B: _send,
-    }
+        SEND_F: _send, SEND_B: _send}
