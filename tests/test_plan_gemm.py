@@ -87,6 +87,8 @@ def test_table_interpolates_in_log_rows_and_refuses_outside():
     assert table.rate(256, 64, 16) is None  # other sizes never measured
     assert table.rate(64, 128, 32, rows_axis=1) == 5e12  # a weight gradient's rows are its k
     assert table.rate(64, 256, 32, rows_axis=1) is None
+    moved = dataclasses.replace(table, rates={(128, 64, 32): 4e12})  # a copy indexes its own rates only
+    assert moved.rate(128, 64, 32) == 4e12 and moved.rate(512, 64, 32) is None and table.rate(128, 64, 32) == 1e12
 
 
 def test_linear_rate_is_the_flop_weighted_harmonic_mean():

@@ -55,14 +55,14 @@ class GemmTable:
     dtype: str
     rates: dict[Shape, float]
     source: str = "measured here"
-    _axes: dict = field(default_factory=dict, compare=False, repr=False)
+    _axes: dict = field(init=False, compare=False, repr=False)  # (axis, other two sizes) -> [(rows, rate)], sorted
 
     def __post_init__(self) -> None:
+        axes: dict = {}
         for (m, k, n), rate in self.rates.items():  # along each axis a row count can take: m, or k (weight grads)
-            self._axes.setdefault((0, k, n), []).append((m, rate))
-            self._axes.setdefault((1, m, n), []).append((k, rate))
-        for points in self._axes.values():
-            points.sort()
+            axes.setdefault((0, k, n), []).append((m, rate))
+            axes.setdefault((1, m, n), []).append((k, rate))
+        object.__setattr__(self, "_axes", {key: sorted(points) for key, points in axes.items()})
 
     def rate(self, m: int, k: int, n: int, rows_axis: int = 0) -> float | None:
         """FLOP/s of (m, k, n): measured, or interpolated in log2 of the row count (m, or k for `rows_axis` 1)
