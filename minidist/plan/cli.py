@@ -123,7 +123,7 @@ def _measure_gemms(cfg: ModelConfig, gpus_per_node: int, path: Path, seconds: fl
         raise ValueError(f"--measure-seconds must be in (0, 60], got {seconds}")
     if path.is_dir():
         raise ValueError(f"--measure-gemms {path} is a directory; name the table's file")
-    refuse_link(path.parent if str(path.parent) else Path("."))
+    refuse_link(path.parent)  # before minutes of timing; replace_file checks again when it writes
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tps = [tp for tp in range(1, gpus_per_node + 1) if cfg.n_heads % tp == 0]

@@ -3,7 +3,8 @@ own shapes run, instead of every GEMM at one efficiency of the peak.
 
 A GEMM's rate depends on its shape: few rows (a context-parallel chunk, an expert's share of the tokens) or a
 narrow tensor-parallel shard fill fewer of the chip's tiles and waves than the best shape does. No public table
-gives bf16 GEMM rates by shape; this module measures one, and the planner reads it:
+covers a large model's shapes (OpenXLA's H100 table stops at 4,096 in m, n and k); this module measures one, and
+the planner reads it:
 
 * `model_gemm_grid(cfg, tps, rows)`: the (m, k, n) the planner can ask for a model: each linear of a block (its
   tensor-parallel shard for every degree in `tps`) for every row count in `rows`, as the forward (m, k, n), the
@@ -142,13 +143,13 @@ def linear_rate(table: GemmTable, gemms: Sequence[tuple[Shape, int, float]], fal
     return (flops / seconds if seconds else fallback), len(missing)
 
 
-def model_gemm_grid(cfg: ModelConfig, tps: Sequence[int], rows: Sequence[int], ep: int = 1) -> list[Shape]:
+def model_gemm_grid(cfg: ModelConfig, tps: Sequence[int], rows: Sequence[int]) -> list[Shape]:
     """Every (m, k, n) the planner can ask of `cfg` for tp degrees `tps` and row counts `rows` (tokens of a
-    micro-batch, and rows per expert), forward and backward, in one sorted list."""
+    micro-batch, and rows per expert; ep changes how many GEMMs, not their shapes), forward and backward, sorted."""
     shapes = set()
     for tp in tps:
         for r in rows:
-            for gemms in layer_gemms(cfg, tp, r, r, ep).values():
+            for gemms in layer_gemms(cfg, tp, r, r).values():
                 shapes.update(shape for shape, _, _ in training_gemms(gemms))
     return sorted(shapes)
 
@@ -192,6 +193,7 @@ def load_gemm_table(path: str | os.PathLike) -> GemmTable:
 
 
 def _checked_rows(rows: list, path: Path) -> dict[Shape, float]:
+    """{shape: FLOP/s} of a table's rows, each checked (one-line ValueError naming the first bad row)."""
     rates: dict[Shape, float] = {}
     for i, row in enumerate(rows):
         ok = (isinstance(row, list) and len(row) == 4

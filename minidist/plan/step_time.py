@@ -58,9 +58,9 @@ from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
 from minidist.parallel.cp.traffic import expected_cp_traffic
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
+from minidist.plan import gemm_table
 from minidist.plan.cluster import Cluster, fp8_rate
 from minidist.plan.elementwise import elementwise_seconds
-from minidist.plan.gemm_table import layer_gemms, linear_rate, training_gemms
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
@@ -173,11 +173,11 @@ def layout_linear_rate(cfg: ModelConfig, layout: Layout, cluster: Cluster, token
     if cluster.gemm_table is None:
         return None, 0
     dims = layout.dims
-    per_layer = layer_gemms(cfg, dims.tp, tokens, rows_per_expert, dims.ep)
+    per_layer = gemm_table.layer_gemms(cfg, dims.tp, tokens, rows_per_expert, dims.ep)
     forward = [(shape, count * layers) for kind, layers in zip(("dense", "moe"), kinds, strict=True)
                for shape, count in per_layer[kind]]
-    gemms = training_gemms(forward, 2 if layout.recompute == "full" else 1)
-    return linear_rate(cluster.gemm_table, gemms, cluster.peak_flops * cluster.efficiency)
+    gemms = gemm_table.training_gemms(forward, 2 if layout.recompute == "full" else 1)
+    return gemm_table.linear_rate(cluster.gemm_table, gemms, cluster.peak_flops * cluster.efficiency)
 
 
 def attention_seconds(flops: RankFlops, cluster: Cluster, key_len: float, causal_share: float = 1.0) -> float:
