@@ -23,6 +23,7 @@ from minidist.parallel.layout import Layout
 from minidist.plan.cluster import DEFAULT_EFFICIENCY, Cluster, cluster_for_chip, fp8_rate
 from minidist.plan.explain import evaluate, format_explain, parse_settings
 from minidist.plan.gemm_table import MEASURE_ROWS, GemmTable, load_gemm_table, measure_gemm_table, model_gemm_grid
+from minidist.plan.mtp import with_mtp
 from minidist.plan.rank_memory import PRECISIONS
 from minidist.plan.search import (
     FP8_CHOICES,
@@ -67,14 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels", default="trainer", choices=tuple(PRECISIONS),
                         help="whose kernels' saved activations: this trainer's (an fp32 copy in RMSNorm, SP linears "
                              "keep their gathered input), Megatron-LM's (a fused RMSNorm, SP inputs kept sharded and "
-                             "gathered again backward), or DeepSeek-V3's stack (Megatron's activations, fp32 "
-                             "gradients, bf16 AdamW moments); default trainer")
+                             "gathered again backward), or DeepSeek-V3's stack (fp32 gradients, bf16 AdamW moments; "
+                             "the linears' inputs kept in FP8, norms, SwiGLU and MLA's up-projections recomputed: "
+                             "needs --fp8); default trainer")
     parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
                         help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
                              "(the network carries min(top_k, M) rows per token); default 0, unlimited")
     parser.add_argument("--comm-sms", type=int, default=0, metavar="N",
                         help="SMs the expert all-to-all's kernels hold beside DualPipeV's paired compute, as "
                              "DeepSeek-V3's 20 of the H800's 132 (the paired compute slows to the rest); default 0")
+    parser.add_argument("--mtp-depth", type=int, default=0, metavar="D",
+                        help="multi-token prediction's modules, each a block, a projection and a pass through the "
+                             "head (DeepSeek-V3 trained with 1; the trainer has none); default 0")
     parser.add_argument("--gemm-table", metavar="FILE", default=None,
                         help="the blocks' bf16 linears at the GEMM rates by shape FILE holds (written by "
                              "--measure-gemms on the chip planned for), not at one efficiency of the peak")
@@ -98,14 +103,16 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
     rank, c = rank_of(plan, **settings)
     if c is None:
         layout = Layout.of(**settings)
-        c = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision, plan.recipe))
+        c = Candidate(layout, *evaluate(with_mtp(cfg, plan.recipe.mtp_depth), layout, seq_len, sequences, cluster,
+                                        plan.precision, plan.recipe))
     if args.json:
         print(json.dumps({**c.row(), "rank": rank}))
     else:
         print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
         print("")
-        print(format_explain(cfg, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
-                             seq_len, sequences, plan.precision, plan.budget))
+        print(format_explain(with_mtp(cfg, plan.recipe.mtp_depth), c.layout, describe_layout(c.layout), c.time,
+                             c.fits, rank, len(plan.feasible), seq_len, sequences, plan.precision, plan.budget,
+                             plan.recipe.mtp_depth))
     return 0
 
 
@@ -160,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fp8 != "none":
             fp8_rate(cluster, args.fp8)  # a chip without FP8: refused before the search
         plan = search(cfg, args.gpus, seq_len, tokens, cluster, PRECISIONS[args.kernels],
-                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes, args.comm_sms))
+                      Recipe("" if args.fp8 == "none" else args.fp8, args.max_nodes, args.comm_sms, args.mtp_depth))
         if settings is not None:
             return _explain(cfg, plan, settings, args, seq_len, tokens, cluster)
     except (ValueError, TypeError) as e:

@@ -62,9 +62,11 @@ def block_values(cfg: ModelConfig, layout: Layout, moe: bool) -> tuple[float, fl
 
 
 def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: tuple[int, int], p: int,
-                        hbm_bandwidth: float) -> float:
+                        hbm_bandwidth: float, replayed: bool = False) -> float:
     """Seconds of the element-wise operators of one step on the busiest pipeline rank: `tokens` per rank and step
-    through its `kinds` (dense, MoE) blocks, values of `p` bytes, at `hbm_bandwidth` bytes/s (0: not charged)."""
+    through its `kinds` (dense, MoE) blocks, values of `p` bytes, at `hbm_bandwidth` bytes/s (0: not charged);
+    `replayed`: the norms, RoPE and the gated activation run forward again in the backward (DeepSeek-V3's kernels,
+    `deepseek_saves`), the residual adds and an MoE layer's permutations not."""
     if not hbm_bandwidth:
         return 0.0
     forwards = 1 if layout.recompute == "none" else 2
@@ -72,5 +74,11 @@ def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: 
     for count, moe in zip(kinds, (False, True)):
         if count:
             forward, backward = block_values(cfg, layout, moe)
-            values += count * (forwards * forward + backward)
+            again = forward - (2 * 3 * cfg.d_model / layout.sp_degree) - (3 * moe_k(cfg) + 1) * cfg.d_model * moe
+            values += count * (forwards * forward + backward + (again if replayed else 0.0))
     return tokens * values * p / hbm_bandwidth
+
+
+def moe_k(cfg: ModelConfig) -> int:
+    """An MoE layer's experts per token (0 for a dense model)."""
+    return cfg.moe.top_k if cfg.moe.n_experts else 0

@@ -49,9 +49,11 @@ def parse_settings(text: str) -> dict[str, Any]:
     return out
 
 
-def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision) -> list[str]:
+def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision,
+                mtp_depth: int = 0) -> list[str]:
     """One line per pipeline stage: GiB by part and in total, the heaviest marked."""
-    rows = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s) for s in range(layout.dims.pp)]
+    rows = [estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, mtp_depth=mtp_depth)
+            for s in range(layout.dims.pp)]
     worst = max(range(len(rows)), key=lambda s: rows[s].total)
     lines = [f"{'stage':>5} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'recomp':>7} {'GiB':>7}"]
     for s, e in enumerate(rows):
@@ -77,13 +79,14 @@ def evaluate(cfg: ModelConfig, layout: Layout, seq_len: int, sequences: int, clu
     """One layout, in the search or outside it: (memory of its heaviest stage, step time, whether it fits); a
     search passes its `token_flops` and its memo dicts (`estimate_memory`'s, `predict_step`'s)."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
-    memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
+    memory = estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo, mtp_depth=recipe.mtp_depth)
     time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
     return memory, time, memory.total <= cluster.budget
 
 
 def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepTime, fits: bool, rank: int | None,
-                   n_feasible: int, seq_len: int, sequences: int, precision: Precision, budget: float) -> str:
+                   n_feasible: int, seq_len: int, sequences: int, precision: Precision, budget: float,
+                   mtp_depth: int = 0) -> str:
     """The --explain report: the layout (`described` in words), its place, memory per stage, time by term."""
     micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
     place = f"rank {rank} of {n_feasible} that fit" if rank else \
@@ -91,7 +94,7 @@ def format_explain(cfg: ModelConfig, layout: Layout, described: str, time: StepT
     lines = [f"{described}: {time.total:.3f} s per step, {place}",
              f"memory per rank by pipeline stage (GiB; {budget / GIB:.1f} usable), micro-batch of {micro_batch} "
              f"sequences:"]
-    lines += stage_table(cfg, layout, seq_len, micro_batch, precision)
+    lines += stage_table(cfg, layout, seq_len, micro_batch, precision, mtp_depth)
     key_len, causal = attention_shape(layout, seq_len)
     lines += ["step time:"] + time_terms(time)
     lines += [f"  the attention kernels: queries meet up to {key_len:,} keys per kernel, {causal:.0%} of their work "

@@ -13,11 +13,13 @@ The published step time is the one the paper's own figure implies, with this cou
   ZeRO-1 data parallel (DP 128), no TP; 15,360 sequences of 4,096 tokens per step at the end of the batch ramp;
   180K H800 GPU-hours per trillion tokens, i.e. 10^12 / (180,000 · 3,600) tokens per second per GPU.
 
-Both runs are searched with Megatron-LM's kernels' saved activations (`rank_memory.BF16_MEGATRON`: both stacks fuse
-RMSNorm, RoPE and SwiGLU and keep sequence-parallel inputs sharded), DeepSeek-V3 with its own precision
-(`rank_memory.BF16_DEEPSEEK`: fp32 gradients, bf16 AdamW moments, §3.3.3) and recipe besides (`step_time.Recipe`:
-FP8 blockwise GEMMs in the blocks' linears, each token's experts on at most 4 nodes) and DualPipe, here
-its V form (`dualpipev`: the same overlapped pairs, half the parameter copies). The run's other settings
+Llama 3 is searched with Megatron-LM's kernels' saved activations (`rank_memory.BF16_MEGATRON`: its stack fuses
+RMSNorm, RoPE and SwiGLU and keeps sequence-parallel inputs sharded); DeepSeek-V3 with its own stack
+(`rank_memory.BF16_DEEPSEEK`: fp32 gradients, bf16 AdamW moments, §3.3.3; its kernels' activations, FP8 copies with
+the norms and MLA's up-projections recomputed, §3.2.3 and §3.3.2, `plan.deepseek_saves`) and recipe
+(`step_time.Recipe`: FP8 blockwise GEMMs in the blocks' linears, each token's experts on at most 4 nodes, the
+all-to-all on 20 SMs, one multi-token-prediction module, §2.2, `plan.mtp`) and DualPipe, here its V form
+(`dualpipev`: the same overlapped pairs, half the parameter copies). The run's other settings
 (micro-batches, virtual stages, recomputation) are left to the search, as `--explain` leaves them: the fastest
 variant that fits. The 16,384-GPU run is held a second time with this trainer's kernels (`rank_memory.BF16_MIXED`),
 under which its shape fits only with full recomputation: the papers do not give the activation memory that would
@@ -87,7 +89,7 @@ def published_runs() -> list[PublishedRun]:
         PublishedRun("DeepSeek-V3, 2,048 H800", "deepseek-v3", "H800", 2048, 4096, 15360,
                      dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
                      "DeepSeek-V3 §1: 180K H800 GPU-hours per trillion tokens",
-                     Recipe(fp8="blockwise", max_nodes=4, comm_sms=20),
+                     Recipe(fp8="blockwise", max_nodes=4, comm_sms=20, mtp_depth=1),
                      precision=BF16_DEEPSEEK),
     ]
 

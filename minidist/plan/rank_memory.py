@@ -45,6 +45,7 @@ from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
 from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
+from minidist.plan import deepseek_saves, mtp
 from minidist.plan.schedule_costs import PLATEAU
 
 T = TypeVar("T")
@@ -65,6 +66,7 @@ class Precision:
     # What the kernels keep, where implementations differ (`layer_activation_bytes`): False, False is this trainer
     fused: bool = False  # fused RMSNorm, RoPE and SwiGLU kernels keep only their inputs (and RMSNorm's 1/rms)
     sp_regather: bool = False  # an SP column-parallel linear keeps its input sharded, gathers it again backward
+    fp8_saved: bool = False  # DeepSeek-V3's: FP8 copies, norms and MLA's up-projections recomputed (`deepseek_saves`)
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
@@ -80,9 +82,10 @@ BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
 # (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
 BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True)
 # DeepSeek-V3's stack (DeepSeek-AI 2024, §3.3.3): the AdamW moments in BF16, the master weights and the gradients
-# (accumulated over the micro-batches) kept in FP32: 4 + 2 + 2 bytes of optimizer state, 4 of gradient; Megatron-LM's
-# kernels' activations otherwise (its FP8-cached activations and partial recomputation, §3.3.2, not modelled).
-BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True)
+# (accumulated over the micro-batches) kept in FP32: 4 + 2 + 2 bytes of optimizer state, 4 of gradient; its kernels'
+# activations (`deepseek_saves`: FP8 copies, §3.3.2; norms and MLA's up-projections recomputed, §3.2.3), Megatron-LM's
+# under full recomputation (each block's input).
+BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True, fp8_saved=True)
 PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # the planner's --kernels
 
 
@@ -92,7 +95,8 @@ def precision_words(precision: Precision) -> str:
     names = {2: "bf16", 4: "fp32"}
     return (f"{names.get(precision.param, precision.param)} weights, {names.get(precision.grad, precision.grad)} "
             f"gradients, {precision.optimizer} bytes per parameter of master copy and AdamW moments" +
-            ("; Megatron-LM's kernels' activations" if precision.sp_regather else ""))
+            ("; DeepSeek-V3's kernels' activations (FP8 copies; norms, SwiGLU and MLA's up-projections recomputed)"
+             if precision.fp8_saved else "; Megatron-LM's kernels' activations" if precision.sp_regather else ""))
 
 
 @dataclass(frozen=True)
@@ -163,8 +167,9 @@ def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, st
     return len(layers) - moe, moe
 
 
-def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
-    """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO)."""
+def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0, mtp_depth: int = 0) -> dict[str, int]:
+    """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO); `mtp_depth`:
+    multi-token prediction's weights beside its blocks on the head's rank (`plan.mtp`; `cfg` counts its blocks)."""
     tp = layout.dims.tp
     attn, attn_extra = _attention_weights(cfg)
     if cfg.attention == "mla":  # the latent down-projections are replicated over tp, the rest split by heads
@@ -189,15 +194,16 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0) -> dict[str, i
     if stage == head_stage(o.schedule, layout.dims.pp):  # under a V the first stage: a tied head is its embedding
         tied_here = cfg.tie_embeddings and stage == 0
         dense += cfg.d_model + (0 if tied_here else cfg.vocab_size * cfg.d_model // tp)
+        dense += mtp.head_params(cfg, mtp_depth, tp)
     return {"dense": dense, "experts": experts}
 
 
 def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = FP32,
-                      stage: int = 0) -> dict[str, float]:
+                      stage: int = 0, mtp_depth: int = 0) -> dict[str, float]:
     """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group
     (`memory.model_state_bytes` of each kind of parameter; `Precision.optimizer` includes the master copy)."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for kind, n in rank_params(cfg, layout, stage).items():
+    for kind, n in rank_params(cfg, layout, stage, mtp_depth).items():
         states = memory.model_state_bytes(n, precision.param, precision.grad, master_bytes=0,
                                           optimizer_bytes=precision.optimizer, zero=layout.options.zero,
                                           dp=layout.replicas[kind])
@@ -353,16 +359,20 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
     kernels = (precision.fused, precision.sp_regather)
-    return memoized(memo, key, lambda: (layer_activation_bytes(cfg, 0, tokens, layout, p, *kernels),
-                                        layer_activation_bytes(cfg, moe_index, tokens, layout, p, *kernels),
+
+    def saved(layer: int) -> float:
+        if precision.fp8_saved:
+            return deepseek_saves.layer_bytes(cfg, layer, tokens, layout, r)
+        return layer_activation_bytes(cfg, layer, tokens, layout, p, *kernels)
+    return memoized(memo, key, lambda: (saved(0), saved(moe_index),
                                         selective_layer_bytes(cfg, 0, tokens, layout, p, r),
                                         selective_layer_bytes(cfg, moe_index, tokens, layout, p, r)))
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                     stage: int = 0, memo: dict | None = None) -> tuple[float, float]:
+                     stage: int = 0, memo: dict | None = None, mtp_depth: int = 0) -> tuple[float, float]:
     """(activations held at the worst moment of a step, the recomputed block's transient) for pipeline rank
-    `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank."""
+    `stage`, `micro_batch` sequences of `seq_len` tokens per micro-batch on one rank (`mtp_depth`: `rank_params`')."""
     p = precision.activation
     dims, options = layout.dims, layout.options
     tokens = micro_batch * seq_len // dims.cp
@@ -386,33 +396,35 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     total = one_chunk_pass * in_flight
     if last:
         total += head_activation_bytes(cfg, tokens, layout, p, precision.fused, precision.sp_regather)
+        total += mtp_depth * mtp.head_activation_bytes(cfg, tokens, dims.tp, p)
     if stage == 0:
         total += 8 * tokens  # the embedding's token indices
     return total, transient
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
-                    stage: int | None = None, memo: dict | None = None) -> MemoryEstimate:
+                    stage: int | None = None, memo: dict | None = None, mtp_depth: int = 0) -> MemoryEstimate:
     """Bytes per rank of pipeline stage `stage`; None: of the heaviest stage, named in `MemoryEstimate.stage`.
 
     Which stage that is depends on the layer mix and the micro-batches in flight: the first holds the embedding and
     the most micro-batches in flight, the last the head, but a middle stage of an MoE model whose first layers are
     dense (DeepSeek-V3: three) holds more experts than the first. Every stage is looked at (`stage_classes`), each
     class of stages that could be the heaviest evaluated once. `memo`: a dict a search passes to every call (one
-    model, one precision), to compute the pieces shared by many layouts once."""
+    model, one precision), to compute the pieces shared by many layouts once. `mtp_depth`: `rank_params`'."""
     d, o = layout.dims, layout.options
     if stage is None:
         key = ("classes", d.pp, o.schedule, o.microbatches, o.virtual_stages)
         stages = memoized(memo, key, lambda: stage_classes(cfg, layout))
-        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo) for s in stages),
+        return max((estimate_memory(cfg, layout, seq_len, micro_batch, precision, s, memo, mtp_depth)
+                    for s in stages),
                    key=lambda e: e.total)
     key = ("states", d, o.zero, placement(o.schedule, o.virtual_stages), stage)  # `memo`: one precision
-    states = memoized(memo, key, lambda: model_state_bytes(cfg, layout, precision, stage))
+    states = memoized(memo, key, lambda: model_state_bytes(cfg, layout, precision, stage, mtp_depth))
     # the same for every dp, ep and ZeRO stage (balanced routing: n·k rows per rank whatever ep): computed once
     key = ("acts", d.tp, d.cp, d.pp, layout.sp_degree, o.cp_impl, o.schedule, o.microbatches, o.virtual_stages,
            layout.recompute, micro_batch, seq_len, stage)
     acts, transient = memoized(memo, key, lambda: activation_bytes(cfg, layout, seq_len, micro_batch, precision,
-                                                                   stage, memo))
+                                                                   stage, memo, mtp_depth))
     return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
 
 

@@ -40,6 +40,7 @@ from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.parallel.layout import Layout, ParallelOptions
+from minidist.plan import mtp
 from minidist.plan.cluster import Cluster, attention_source, efficiency_source, elementwise_source, fp8_source
 from minidist.plan.explain import LEFT_OUT, evaluate
 from minidist.plan.rank_memory import (
@@ -195,10 +196,9 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int) -> list[tuple[
     return out
 
 
-def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
-           precision: Precision = BF16_MIXED, recipe: Recipe = DEFAULT_RECIPE) -> Plan:
-    """Every admitted layout with its memory and predicted step time, split by whether it fits the chip."""
-    sequences = global_batch_sequences(global_tokens, seq_len)
+def check_search(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, cluster: Cluster, precision: Precision,
+                 recipe: Recipe) -> None:
+    """A one-line ValueError for a search no layout could answer, or one whose kernels and recipe disagree."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     most = most_gpus(cfg, seq_len, sequences, cluster.gpus_per_node)
@@ -206,9 +206,20 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         raise ValueError(f"--gpus {gpus:,} is more than any layout can use for {sequences:,} sequences of {seq_len} "
                          f"tokens ({most:,}: dp up to the sequences, tp a node, cp to {MIN_CP_TOKENS} tokens per "
                          "rank, pp a layer per stage); use fewer GPUs or a larger --global-batch-tokens")
+    if precision.fp8_saved and not recipe.fp8:
+        raise ValueError("DeepSeek-V3's kernels keep the linears' inputs in FP8 (§3.3.2): plan them with an FP8 "
+                         "recipe (--fp8 blockwise, as DeepSeek-V3 trained)")
+
+
+def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
+           precision: Precision = BF16_MIXED, recipe: Recipe = DEFAULT_RECIPE) -> Plan:
+    """Every admitted layout with its memory and predicted step time, split by whether it fits the chip."""
+    sequences = global_batch_sequences(global_tokens, seq_len)
+    check_search(cfg, gpus, seq_len, sequences, cluster, precision, recipe)
+    cfg = mtp.with_mtp(cfg, recipe.mtp_depth)  # its blocks as layers after the last, for the stages to split
     refused: Counter = Counter()
     feasible, rejected = [], []
-    per_token = token_flops(cfg, seq_len)
+    per_token = token_flops(cfg, seq_len, recipe.mtp_depth)
     memo: dict = {}  # pieces of the memory model shared by many layouts (`estimate_memory`)
     time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
@@ -229,9 +240,12 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             # More micro-batches than the fewest that fit only add latency (more, smaller collectives; ZeRO-2/3
             # communicates per micro-batch): never faster, so not evaluated.
             continue
+        if layout.recompute == "selective" and precision.fp8_saved:
+            continue  # DeepSeek-V3's kernels already recompute their element-wise parts (`deepseek_saves`)
         if o.cp_impl != "ring" and (settings, m) in ring_over:
             continue  # it keeps all the ring keeps and the whole sequence's keys and values: over too, not listed
-        first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo)
+        first = estimate_memory(cfg, layout, seq_len, sequences // (dims.dp * m), precision, stage=0, memo=memo,
+                                mtp_depth=recipe.mtp_depth)
         if first.total > cluster.budget:  # over on its first stage: it cannot fit, whichever stage is heaviest
             time = predict_step(cfg, layout, seq_len, sequences, cluster, precision, per_token, recipe, time_memo)
             candidate = Candidate(layout, first, time, False, over_at_first_stage=True)
@@ -250,7 +264,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
 
     def memory_of(layout: Layout) -> MemoryEstimate:
         micro_batch = sequences // (layout.dims.dp * layout.options.microbatches)
-        return estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo)
+        return estimate_memory(cfg, layout, seq_len, micro_batch, precision, memo=memo, mtp_depth=recipe.mtp_depth)
     return Plan(feasible, rejected, refused, cluster.budget, recipe, precision, memory_of)
 
 
@@ -295,6 +309,9 @@ def recipe_words(recipe: Recipe, cluster: Cluster) -> str:
     if recipe.comm_sms:
         words.append(f"the all-to-all's kernels on {recipe.comm_sms} of the {cluster.sms} SMs beside DualPipeV's "
                      "paired compute")
+    if recipe.mtp_depth:
+        words.append(f"multi-token prediction, {recipe.mtp_depth} module(s) beside the head (each a block, a "
+                     "projection, a head pass)")
     return "".join(f"; {w}" for w in words)
 
 

@@ -32,6 +32,8 @@ dimension, the pipeline bubble, and which communication hides behind compute.
   `rank_memory.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
   hide the pipeline sends and the ep all-to-all behind the paired chunk's compute, each pair max(compute,
   communication) (DeepSeek-AI 2024, §3.2.1).
+* DeepSeek-V3's kernels (`Precision.fp8_saved`, `plan.deepseek_saves`) without further recomputation: MLA's
+  up-projections' GEMMs once more forward, the norms', RoPE's and SwiGLU's element-wise forwards again.
 * `Recipe`: FP8 GEMMs in the blocks' linears (`fp8_rate`: blockwise at DeepGEMM's rate measured at DeepSeek-V3's
   shapes on H800, else the FP8 peak at the bf16 efficiency; the forward's dispatch in FP8);
   node-limited routing (at most M nodes per token: min(top_k, M) rows per token over the network, an all-to-all
@@ -58,7 +60,7 @@ from minidist.parallel.cp.sharding import chunks_per_rank as sequence_chunks
 from minidist.parallel.cp.traffic import expected_cp_traffic
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.zero_bubble import chunks_per_rank
-from minidist.plan import gemm_table
+from minidist.plan import deepseek_saves, gemm_table, mtp
 from minidist.plan.cluster import Cluster, fp8_rate
 from minidist.plan.elementwise import elementwise_seconds
 from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
@@ -98,11 +100,14 @@ class TokenFlops:
     attention: float
 
 
-def token_flops(cfg: ModelConfig, seq_len: int) -> TokenFlops:
+def token_flops(cfg: ModelConfig, seq_len: int, mtp_depth: int = 0) -> TokenFlops:
+    """`cfg`'s FLOPs per token; `mtp_depth`: with multi-token prediction's projections and head passes, counted
+    with the head (`cfg` counts its blocks, `plan.mtp`)."""
     moe_layers = sum(_is_moe_layer(cfg, i) for i in range(cfg.n_layers))
-    return TokenFlops(mfu_flops_per_token(cfg, seq_len),
+    heads = mtp.head_flops_per_token(cfg, mtp_depth)
+    return TokenFlops(mfu_flops_per_token(cfg, seq_len) + heads,
                       6.0 * moe_layers * _moe_mlp(cfg, active_only=True) if moe_layers else 0.0,
-                      6.0 * cfg.d_model * cfg.vocab_size, attention_flops_per_token(cfg, seq_len, causal=True))
+                      6.0 * cfg.d_model * cfg.vocab_size + heads, attention_flops_per_token(cfg, seq_len, causal=True))
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ def step_flops_per_rank(cfg: ModelConfig, layout: Layout, seq_len: int, global_b
                         per_token: TokenFlops | None = None) -> RankFlops:
     """The step's model FLOPs (plus the recomputed forward) over the ranks; MoE layers' FLOPs are repeated on every
     tp rank."""
-    f = per_token or token_flops(cfg, seq_len)
+    f = per_token or token_flops(cfg, seq_len)  # `predict_step` passes the recipe's
     total, moe, attention = f.total, f.moe, f.attention
     forwards = 3  # the attention FLOPs count a forward and a backward of two
     if layout.recompute == "full":
@@ -201,11 +206,13 @@ class Recipe:
     each token's experts to that many nodes (DeepSeek-V3's node-limited routing, M = 4; the trainer's router does
     not limit them: 0); `comm_sms` > 0 SMs run the expert all-to-all's kernels beside DualPipeV's paired compute,
     which has the rest (DeepSeek-V3 §3.2.2 and §3.5.1: 20 of the H800's 132, "which will limit the computational
-    throughput"; the trainer's NCCL collectives: 0, not charged)."""
+    throughput"; the trainer's NCCL collectives: 0, not charged); `mtp_depth` multi-token prediction's modules
+    (`plan.mtp`, DeepSeek-V3 §2.2: 1; the trainer: 0)."""
 
     fp8: str = ""
     max_nodes: int = 0
     comm_sms: int = 0
+    mtp_depth: int = 0  # multi-token prediction's modules (DeepSeek-V3 §2.2: 1; `plan.mtp`); the trainer has none
 
 
 DEFAULT_RECIPE = Recipe()  # bf16 GEMMs, routing unlimited: the trainer's defaults
@@ -231,13 +238,19 @@ def predict_step(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: i
            layout.recompute)
     stage = memoized(memo, key, lambda: _stage_time(cfg, layout, seq_len, global_batch, cluster, precision,
                                                     per_token, recipe))
-    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo)
+    dp_exposed, dp_hidden = _data_parallel_time(cfg, layout, cluster, precision, stage.compute, memo,
+                                                recipe.mtp_depth)
     return dataclasses.replace(stage, dp=dp_exposed, hidden=stage.hidden + dp_hidden)
 
 
 def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster,
                 precision: Precision, per_token: TokenFlops | None, recipe: Recipe) -> StepTime:
     """Every term of `predict_step` but the replica groups' (dp 0)."""
+    per_token = per_token or token_flops(cfg, seq_len, recipe.mtp_depth)
+    replayed = precision.fp8_saved and layout.recompute == "none"  # DeepSeek-V3's kernels recompute a few parts
+    if replayed:  # their GEMMs: MLA's up-projections' forward, again in the backward (`deepseek_saves`)
+        per_token = dataclasses.replace(per_token,
+                                        total=per_token.total + deepseek_saves.recomputed_flops_per_token(cfg))
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     dims, o = layout.dims, layout.options
     m, p = o.microbatches, precision.activation
@@ -249,7 +262,8 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     key_len, causal = attention_shape(layout, seq_len)
     attention = attention_seconds(flops, cluster, key_len, causal)
     dense_layers, moe_layers = busiest_stage_kinds(cfg, dims.pp, o.virtual_stages, o.schedule)
-    elementwise = elementwise_seconds(cfg, layout, m * tokens, (dense_layers, moe_layers), p, cluster.hbm_bandwidth)
+    elementwise = elementwise_seconds(cfg, layout, m * tokens, (dense_layers, moe_layers), p, cluster.hbm_bandwidth,
+                                      replayed)
     linear_rate, unmeasured = layout_linear_rate(cfg, layout, cluster, tokens, rows_per_expert,
                                                  (dense_layers, moe_layers))
     compute = compute_seconds(flops, cluster, attention, recipe.fp8, rows_per_expert, linear_rate) + elementwise
@@ -349,13 +363,14 @@ def expert_all_to_all(cfg: ModelConfig, tokens: int, layout: Layout, cluster: Cl
 
 
 def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
-                        compute: float, memo: dict | None = None) -> tuple[float, float]:
+                        compute: float, memo: dict | None = None, mtp_depth: int = 0) -> tuple[float, float]:
     """(exposed, hidden) seconds of the gradient reduction and ZeRO's gathers over the replica groups (`memo`: a
     search's dict for one model, precision and cluster: each collective computed once per grid shape)."""
     o = layout.options
     key = ("dp", layout.dims, o.schedule, o.virtual_stages)
     all_reduce, reduce_scatter, all_gather = memoized(memo, key,
-                                                      lambda: _replica_collectives(cfg, layout, cluster, precision))
+                                                      lambda: _replica_collectives(cfg, layout, cluster, precision,
+                                                                                   mtp_depth))
     m, backward, zero = o.microbatches, 2 * compute / 3, o.zero
     exposed = 0.0 if zero == 0 else all_gather  # ZeRO 1-2: the updated parameters gathered after the step
     overlappable = all_reduce if zero == 0 else reduce_scatter * (m if zero >= 2 else 1)
@@ -366,14 +381,14 @@ def _data_parallel_time(cfg: ModelConfig, layout: Layout, cluster: Cluster, prec
     return exposed + overlappable - hidden, hidden
 
 
-def _replica_collectives(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision
-                         ) -> tuple[float, float, float]:
+def _replica_collectives(cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: Precision,
+                         mtp_depth: int = 0) -> tuple[float, float, float]:
     """Seconds of one gradient all-reduce, one gradient reduce-scatter and one parameter all-gather over the
     replica groups (dense over dp·cp, experts over edp), summed over the groups."""
     span = layout.dims.tp * layout.dims.cp * layout.dims.dp
     link = link_of(cluster, span)
     out = [0.0, 0.0, 0.0]
-    for kind, n in rank_params(cfg, layout, 0).items():
+    for kind, n in rank_params(cfg, layout, 0, mtp_depth).items():
         size = layout.replicas[kind]
         if size == 1 or n == 0:
             continue
