@@ -74,11 +74,8 @@ def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: 
     for count, moe in zip(kinds, (False, True)):
         if count:
             forward, backward = block_values(cfg, layout, moe)
-            again = forward - (2 * 3 * cfg.d_model / layout.sp_degree) - (3 * moe_k(cfg) + 1) * cfg.d_model * moe
+            residual_adds = 2 * 3 * cfg.d_model / layout.sp_degree
+            routing = (3 * cfg.moe.top_k + 1) * cfg.d_model if moe else 0  # the permutation and the combine
+            again = forward - residual_adds - routing  # the norms, RoPE, the gated activation
             values += count * (forwards * forward + backward + (again if replayed else 0.0))
     return tokens * values * p / hbm_bandwidth
-
-
-def moe_k(cfg: ModelConfig) -> int:
-    """An MoE layer's experts per token (0 for a dense model)."""
-    return cfg.moe.top_k if cfg.moe.n_experts else 0
