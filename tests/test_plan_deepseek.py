@@ -93,9 +93,9 @@ def test_the_recomputed_up_projections_are_charged_at_the_fp8_rate():
     assert b.elementwise < a.elementwise < 2 * b.elementwise
 
 
-def test_deepseek_kernels_need_an_fp8_recipe_and_bring_their_own_selective_recomputation():
+def test_deepseek_kernels_need_an_fp8_recipe_and_bring_their_own_selective_recomputation(capsys):
     """Planned without FP8 the kernels' FP8 copies mean nothing: refused in one line (also on the command line);
-    with them, the search lists no `selective` layout (the kernels are their own)."""
+    with them, the search lists no `selective` layout (the kernels are their own) and --explain refuses one."""
     cfg = get_preset("tiny", **MLA_MOE)
     h800 = cluster_for_chip("H800", efficiency=None)
     with pytest.raises(ValueError, match="--fp8 blockwise"):
@@ -103,6 +103,10 @@ def test_deepseek_kernels_need_an_fp8_recipe_and_bring_their_own_selective_recom
     plan = search(cfg, 8, 256, 64 * 256, h800, BF16_DEEPSEEK, Recipe(fp8="blockwise"))
     assert plan.feasible and {c.layout.recompute for c in plan.feasible + plan.rejected} == {"none", "full"}
     assert main(["--model", "tiny", "--gpus", "8", "--gpu", "H800", "--kernels", "deepseek"]) == 2
+    assert main(["--model", "tiny", "--gpus", "8", "--gpu", "H800", "--kernels", "deepseek", "--fp8", "blockwise",
+                 "--explain", "dp=8 recompute=selective"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--fp8 blockwise" in err[0] and "recompute=none or recompute=full" in err[1]
 
 
 def test_multi_token_prediction_adds_a_block_a_projection_and_a_head_pass():

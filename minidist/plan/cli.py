@@ -100,6 +100,9 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
              cluster: Cluster) -> int:
     """--explain: the fastest layout of the search with `settings` (or that layout evaluated as given)."""
     sequences = global_batch_sequences(tokens, seq_len)
+    if plan.precision.fp8_saved and settings.get("recompute") == "selective":
+        raise ValueError("--explain recompute=selective: DeepSeek-V3's kernels recompute their own parts (norms, "
+                         "SwiGLU, MLA's up-projections); choose recompute=none or recompute=full")
     rank, c = rank_of(plan, **settings)
     if c is None:
         layout = Layout.of(**settings)
