@@ -20,7 +20,8 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   chapter 15's schedules a forward lives until its W (ZB-H1: p on every rank, ZB-V 2p chunk passes, DualPipeV
   2p + 1). ZB-V and DualPipeV place two chunks per rank in a V (`placement`): rank 0 holds the embedding and the
   head. `Precision.fused` / `sp_regather`: Megatron-LM's kernels' saved tensors in place of this trainer's
-  (`BF16_MEGATRON`).
+  (`BF16_MEGATRON`); `fp8_saved`: DeepSeek-V3's (`deepseek_saves`). Multi-token prediction's projections and second
+  head pass on the head's rank (`mtp`).
 
 Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
 padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's
