@@ -13,8 +13,8 @@ residual stream):
                   kept (a model without q's latent keeps q); the attention's output in E5M6 (12 bits, §3.3.2
                   (1)), the input of the output projection and of the attention's backward; the fp32 log-sum-exp
     GQA/MHA       q, k, v in bf16 (the attention kernel's backward reads them), the output in E5M6, the lse
-    dense MLP     SwiGLU's input [x·W1, x·W3] in FP8 (§3.3.2 (2)): its output, the down-projection's input,
-                  recomputed
+    dense MLP     SwiGLU's input [x·W1, x·W3] in FP8: its output, the down-projection's input, recomputed
+                  (§3.3.2 (2) states it for the MoE layers; the three dense blocks are taken to run alike)
     MoE           the router's fp32 scores, the chosen indices and gates; each routed row as it arrived (the
                   experts' first input, dispatched in FP8, §3.3.4); each routed and shared expert's SwiGLU input in
                   FP8. The experts' outputs are not kept: a gate's gradient ⟨dy, W2·h⟩ equals ⟨W2ᵀ·dy, h⟩, whose
