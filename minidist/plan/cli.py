@@ -103,19 +103,18 @@ def _explain(cfg: ModelConfig, plan: Plan, settings: dict, args: argparse.Namesp
     if plan.precision.fp8_saved and settings.get("recompute") == "selective":
         raise ValueError("--explain recompute=selective: DeepSeek-V3's kernels recompute their own parts (norms, "
                          "SwiGLU, MLA's up-projections); choose recompute=none or recompute=full")
+    planned = with_mtp(cfg, plan.recipe.mtp_depth)  # the model as the search planned it
     rank, c = rank_of(plan, **settings)
     if c is None:
         layout = Layout.of(**settings)
-        c = Candidate(layout, *evaluate(with_mtp(cfg, plan.recipe.mtp_depth), layout, seq_len, sequences, cluster,
-                                        plan.precision, plan.recipe))
+        c = Candidate(layout, *evaluate(planned, layout, seq_len, sequences, cluster, plan.precision, plan.recipe))
     if args.json:
         print(json.dumps({**c.row(), "rank": rank}))
     else:
         print(format_plan(plan, args.model, cfg, args.gpus, seq_len, tokens, cluster, 1))
         print("")
-        print(format_explain(with_mtp(cfg, plan.recipe.mtp_depth), c.layout, describe_layout(c.layout), c.time,
-                             c.fits, rank, len(plan.feasible), seq_len, sequences, plan.precision, plan.budget,
-                             plan.recipe.mtp_depth))
+        print(format_explain(planned, c.layout, describe_layout(c.layout), c.time, c.fits, rank, len(plan.feasible),
+                             seq_len, sequences, plan.precision, plan.budget, plan.recipe.mtp_depth))
     return 0
 
 

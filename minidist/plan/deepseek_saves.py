@@ -30,7 +30,7 @@ from __future__ import annotations
 from minidist.flops import _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.core import kv_heads_per_rank
-from minidist.parallel.cp.traffic import kv_width
+from minidist.parallel.cp.traffic import gathered_kv_bytes
 from minidist.parallel.layout import Layout
 
 FP8_BYTES = 1 + 4 / 128  # an FP8 value and its share of a 1×128 tile's fp32 scale
@@ -71,9 +71,7 @@ def layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, resid
     """Bytes block `layer` saves for its backward, `tokens` tokens of one micro-batch on one rank (the table)."""
     tp = layout.dims.tp
     inputs = 2 * residual * tokens * cfg.d_model / layout.sp_degree
-    gathered = 0.0
-    if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:
-        gathered = BF16_BYTES * tokens * kv_width(cfg, tp) * (layout.dims.cp - 1)
+    gathered = gathered_kv_bytes(cfg, tokens, tp, layout.dims.cp, layout.options.cp_impl, BF16_BYTES)
     return inputs + attention_bytes(cfg, tokens, tp) + gathered + mlp_bytes(cfg, layer, tokens, tp)
 
 

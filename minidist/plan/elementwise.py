@@ -40,25 +40,37 @@ def _mlp_values(width: int, gated: bool) -> tuple[int, int]:
     return (3 * width, 5 * width) if gated else (2 * width, 3 * width)
 
 
+def _mlp_width(cfg: ModelConfig, tp: int, moe: bool) -> int:
+    """The gated activation's width per token on one rank: a dense block's d_ff / tp; an MoE block's (top_k +
+    shared) experts' widths, whole on every tp rank."""
+    if not moe:
+        return cfg.d_ff // tp
+    m = cfg.moe
+    return (m.top_k + m.n_shared_experts) * (m.d_expert or cfg.d_ff)
+
+
+def replayed_values(cfg: ModelConfig, layout: Layout, moe: bool) -> float:
+    """Forward values one token moves through the operators a recomputing kernel set runs again in the backward
+    (DeepSeek-V3's, `deepseek_saves`): the norms, RoPE, MLA's latent norms, the gated activation; not the residual
+    adds nor an MoE layer's permutation and combine."""
+    d, tp, sp = cfg.d_model, layout.dims.tp, layout.sp_degree
+    values = 2 * 2 * d / sp + 2 * _rotated(cfg, tp)  # the norms, RoPE
+    if cfg.attention == "mla":
+        values += 2 * (cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0))
+    return values + _mlp_values(_mlp_width(cfg, tp, moe), gated=moe or cfg.mlp == "swiglu")[0]  # experts: SwiGLU
+
+
 def block_values(cfg: ModelConfig, layout: Layout, moe: bool) -> tuple[float, float]:
     """(forward, backward) values one token moves through HBM in one block's element-wise operators on one rank
     (the module docstring's table)."""
     d, tp, sp = cfg.d_model, layout.dims.tp, layout.sp_degree
-    forward, backward = 2 * 2 * d / sp + 2 * 3 * d / sp, 2 * 3 * d / sp + 2 * 3 * d / sp  # norms, residual adds
-    rope = 2 * _rotated(cfg, tp)
-    forward, backward = forward + rope, backward + rope
+    adds = 2 * 3 * d / sp  # the residual adds, forward and backward alike
+    routing = 3 * cfg.moe.top_k * d + d if moe else 0  # permute, combine
+    backward = 2 * 3 * d / sp + adds + 2 * _rotated(cfg, tp) + routing  # the norms, RoPE
     if cfg.attention == "mla":
-        ranks = cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0)
-        forward, backward = forward + 2 * ranks, backward + 3 * ranks
-    if moe:
-        m = cfg.moe
-        width = (m.top_k + m.n_shared_experts) * (m.d_expert or cfg.d_ff)
-        k = m.top_k
-        forward, backward = forward + 3 * k * d + d, backward + 3 * k * d + d  # permute, combine
-    else:
-        width = cfg.d_ff // tp
-    mlp_forward, mlp_backward = _mlp_values(width, gated=moe or cfg.mlp == "swiglu")  # experts are SwiGLU
-    return forward + mlp_forward, backward + mlp_backward
+        backward += 3 * (cfg.mla.kv_lora_rank + (cfg.mla.q_lora_rank or 0))
+    backward += _mlp_values(_mlp_width(cfg, tp, moe), gated=moe or cfg.mlp == "swiglu")[1]
+    return replayed_values(cfg, layout, moe) + adds + routing, backward
 
 
 def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: tuple[int, int], p: int,
@@ -74,8 +86,6 @@ def elementwise_seconds(cfg: ModelConfig, layout: Layout, tokens: float, kinds: 
     for count, moe in zip(kinds, (False, True)):
         if count:
             forward, backward = block_values(cfg, layout, moe)
-            residual_adds = 2 * 3 * cfg.d_model / layout.sp_degree
-            routing = (3 * cfg.moe.top_k + 1) * cfg.d_model if moe else 0  # the permutation and the combine
-            again = forward - residual_adds - routing  # the norms, RoPE, the gated activation
-            values += count * (forwards * forward + backward + (again if replayed else 0.0))
+            again = replayed_values(cfg, layout, moe) if replayed else 0.0
+            values += count * (forwards * forward + backward + again)
     return tokens * values * p / hbm_bandwidth

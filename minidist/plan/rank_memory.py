@@ -41,7 +41,7 @@ from minidist import memory
 from minidist.flops import _attention_weights, _dense_mlp, _is_moe_layer
 from minidist.model.config import ModelConfig
 from minidist.parallel.cp.core import kv_heads_per_rank
-from minidist.parallel.cp.traffic import kv_width
+from minidist.parallel.cp.traffic import gathered_kv_bytes
 from minidist.parallel.layout import Layout
 from minidist.parallel.pp.pipeline import chunk_layers
 from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
@@ -288,8 +288,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
         kv = kv_heads_per_rank(cfg, tp) * cfg.head_dim
         q = cfg.n_heads // tp * cfg.head_dim
         attention = p * n * ((2 if fused else 3) * q + 2 * kv) + 4 * n * cfg.n_heads // tp  # q before RoPE too
-    if layout.options.cp_impl == "allgather" and layout.dims.cp > 1:  # the whole sequence's keys and values kept
-        attention += p * n * kv_width(cfg, tp) * (layout.dims.cp - 1)
+    attention += gathered_kv_bytes(cfg, n, tp, layout.dims.cp, layout.options.cp_impl, p)
     if _is_moe_layer(cfg, layer):
         moe = cfg.moe
         k, e, d_expert = moe.top_k, moe.n_experts, moe.d_expert or cfg.d_ff

@@ -26,6 +26,14 @@ def kv_width(cfg: ModelConfig, tp: int = 1) -> int:
     return kv_heads_per_rank(cfg, tp) * (d_qk + d_v)
 
 
+def gathered_kv_bytes(cfg: ModelConfig, tokens: int, tp: int, cp: int, impl: str, element_size: int) -> int:
+    """Bytes one block keeps beyond its own `tokens` under all-gather context parallelism: the other cp − 1 ranks'
+    keys and values, for its backward (0 for the ring, Ulysses or cp 1)."""
+    if impl != "allgather" or cp == 1:
+        return 0
+    return element_size * tokens * kv_width(cfg, tp) * (cp - 1)
+
+
 def expected_cp_traffic(cfg: ModelConfig, impl: str, batch: int, seq_len: int, cp: int, tp: int = 1,
                         layers: Sequence[int] | None = None, rank: int = 0, element_size: int = 4,
                         recomputed: bool = False) -> dict[tuple[str, str], dict[str, int]]:
