@@ -23,8 +23,13 @@ Both wrap each block rather than replace it, so parameter names, the layout tran
   code on both sides of it is still compiled. Compilation is lazy: the first forward of a step traces and compiles,
   later ones reuse.
 
-The backend is inductor, the default. On a CPU it generates C++ and needs a C++ compiler; without one the run is
-refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another backend.
+The backend is inductor by default (`--compile-backend`). On a CPU it generates C++ and needs a C++ compiler; without
+one the run is refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another
+backend. `aot_eager` runs the layers inductor sits on (dynamo's graphs, AOTAutograd's joint forward and backward,
+functionalization, donated buffers) and then the same aten kernels eagerly: no code generation, no C++ compiler, and
+the eager run's numbers; it is how a CPU rehearses CUDA's compiled path. `eager` stops after dynamo.
+`frames_compiled()`: dynamo's count of the frames it compiled, a first compile or a recompile (metrics.jsonl's
+`compiles`: those of each step).
 `resolve_compile`: without --compile or --no-compile, a run compiles on CUDA (Triton installed) and not on a CPU.
 """
 
@@ -42,6 +47,7 @@ from minidist.model.moe.layer import Replaying
 from minidist.model.moe.stats import moe_layers
 
 RECOMPUTE_MODES = ("full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # The operators whose outputs selective recomputation keeps: the matrix products (a linear on a [B, T, d] input is
 # an `mm` below autograd; grouped experts use `bmm`; FP8 linears `_scaled_mm`) and the fused attention kernels
@@ -104,9 +110,10 @@ def apply_recompute(model: nn.Module, mode: str = "full") -> nn.Module:
     return model
 
 
-def check_can_compile(device: str) -> None:
-    """A one-line ValueError unless inductor can compile for `device` ("auto", "cpu" or "cuda") here."""
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+def check_can_compile(device: str, backend: str = "inductor") -> None:
+    """A one-line ValueError unless `backend` can compile for `device` ("auto", "cpu" or "cuda") here: only
+    inductor on a CPU generates code (C++), the other backends need no compiler."""
+    if backend != "inductor" or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return  # inductor generates Triton kernels for CUDA (part of a CUDA torch)
     from torch._inductor import cpp_builder, exc
 
@@ -126,8 +133,18 @@ def resolve_compile(setting: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def compile_blocks(model: nn.Module) -> nn.Module:
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     """Compile every block of `model.blocks` in place (names, parameters and later module swaps unchanged)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend {backend!r} is unknown; choose one of {COMPILE_BACKENDS}")
     for block in model.blocks:
-        block.compile()
+        block.forward = torch.compile(block.forward, backend=backend)
     return model
+
+
+def frames_compiled() -> int:
+    """The frames dynamo has compiled so far in this process (its counter of cache misses: a first compile, or a
+    recompile after a guard failed on a new shape or a changed Python value); a run in steady state adds none."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]

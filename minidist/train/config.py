@@ -56,6 +56,11 @@ FLAGS: list[tuple[str, str]] = [
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
+    ("--compile-backend", "torch.compile's backend with --compile: inductor (generated kernels; a C++ compiler on a "
+                          "CPU), aot_eager (dynamo and AOTAutograd, no code generation: CUDA's compiled path "
+                          "rehearsed on a CPU), eager (dynamo's graphs only)"),
+    ("--expert-backend", "routed MoE experts' kernel: auto (torch._grouped_mm where CUDA's contract holds: bf16, "
+                         "16-byte aligned rows; else a loop over experts), loop, grouped_mm (torch._grouped_mm)"),
     ("--bucket-mb", "gradient bucket cap in MiB: one all-reduce or reduce-scatter per bucket (default: 25 on CUDA, "
                     "DDP's; 4 on a CPU)"),
     ("--dp", "data-parallel degree (default: world size / (tp*pp*cp))"),
@@ -119,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-reduce-fp32", action="store_true",
                         help="sum tensor-parallel partial results in fp32 (matters under --dtype bf16)")
     parser.add_argument("--compile", action="store_const", const=True, help="torch.compile each transformer block "
-                        "(inductor; on a CPU it needs a C++ compiler). Default: on CUDA (with Triton), off elsewhere")
+                        "(--compile-backend; inductor on a CPU needs a C++ compiler). Default: on CUDA (with Triton), "
+                        "off elsewhere")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the blocks eagerly")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw OUT/loss.png")
     parser.add_argument("--tensorboard", action="store_true", help="also write the figures of metrics.jsonl as "

@@ -16,11 +16,12 @@ from minidist.data.corpus import VOCAB_SIZE
 from minidist.data.dataset import is_prepared
 from minidist.model import ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
+from minidist.model.moe.dispatch import EXPERT_BACKENDS
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.layout import RECOMPUTE
 from minidist.parallel.pp.schedules import ALL_SCHEDULES
 from minidist.precision import DTYPES
-from minidist.train.blocks import check_can_compile
+from minidist.train.blocks import COMPILE_BACKENDS, check_can_compile
 from minidist.train.dashboard import require_tensorboard
 from minidist.train.optim import WarmupCosine
 from minidist.train.profiling import parse_profile_steps
@@ -104,7 +105,7 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     _check_data(cfg)
     try:
         if cfg.compile:  # asked for; the default (None) compiles only where it can (blocks.resolve_compile)
-            check_can_compile(cfg.device)
+            check_can_compile(cfg.device, cfg.compile_backend)
         if cfg.inject_fault is not None:
             parse_fault(cfg.inject_fault)  # the spec's form; its step and rank are checked against the run later
         if cfg.tensorboard:
@@ -176,7 +177,8 @@ def _check_batch_and_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 def _check_choices(cfg: TrainConfig) -> None:
     """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
     for key, allowed in (("dtype", DTYPES), ("fp8", ("none", *FP8_RECIPES)), ("recompute", RECOMPUTE),
-                         ("device", DEVICES), ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS)):
+                         ("device", DEVICES), ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS),
+                         ("compile_backend", COMPILE_BACKENDS), ("expert_backend", EXPERT_BACKENDS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
 

@@ -18,7 +18,8 @@ peak FLOP/s used for MFU and its source; final figures added at the end), `metri
 step: `step` is the 0-based step index, `loss` the mean LM loss of its global batch before the update, `lr`,
 `grad_norm` before clipping, `tokens_per_s`, `mfu`, `step_s` (the mean over the step's logging window: see
 `train_loop`); `val_loss` after the update on evaluation steps;
-`aux_loss` and `moe_*` for MoE models), `loss.png`, `tensorboard/` (--tensorboard: minidist.train.dashboard), `profile/`
+`aux_loss` and `moe_*` for MoE models; `compiles` with --compile: the frames dynamo compiled in the step),
+`loss.png`, `tensorboard/` (--tensorboard: minidist.train.dashboard), `profile/`
 (--profile-steps: minidist.train.profiling), and `checkpoints/` (see minidist.train.checkpoint); on a failure,
 a timeout or SIGTERM/SIGUSR1, `flight/rank{R}.json` (`minidist.comm.recorder`; `python -m minidist.debug diff`).
 """
@@ -47,9 +48,10 @@ from minidist.data.training_data import TrainingData, load_training_data
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
+from minidist.model.moe.stats import moe_layers
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, profiling, run_dir, run_state
-from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
+from minidist.train.blocks import apply_recompute, compile_blocks, frames_compiled, resolve_compile
 from minidist.train.config import (
     ConfigError,
     RankConfigError,
@@ -91,11 +93,13 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     mcfg = model_config(cfg)
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
+    for layer in moe_layers(model):  # --expert-backend: before ep swaps the experts (it keeps their backend)
+        layer.experts.backend = cfg.expert_backend
     convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
     if layout.recompute != "none":
         apply_recompute(model, layout.recompute)
     if resolve_compile(cfg.compile, device):
-        compile_blocks(model)  # lazily, at the first forward
+        compile_blocks(model, cfg.compile_backend)  # lazily, at the first forward
     precision.configure_matmuls(device)
     autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
     counts = parameter_counts(model)
@@ -268,7 +272,8 @@ def train_loop(run: Run) -> dict[str, Any]:
     for line in [*metrics.header_lines(cfg, info, run.out), profiler.skipped(run.start_step)]:
         if line:
             run.log(line)
-    summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": []}
+    summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": [],
+                               "compiles": []}
     clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
     meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size,
                      datasheet=info["peak_flops_source"].startswith("datasheet"))
@@ -298,6 +303,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         for record in records:
             for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
                 summary[key].append(record[name])
+            summary["compiles"].append(record.get("compiles"))  # this rank's (metrics.jsonl holds rank 0's)
         if logging:
             run.log(metrics.progress_line(records[-1], cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
@@ -314,6 +320,7 @@ def run_step(run: Run, step: int, healthy: torch.Tensor | None, autocast: Callab
              ) -> tuple[dict[str, Any], torch.Tensor]:
     """Step `step`'s work, queued: its learning rate and its figures still on the device, and `healthy`."""
     lr = run.schedule.apply(run.parallel.optimizer, step)
+    compiled_before = frames_compiled()
     batches, docs, pairs = local_batches(run.sampler, step, run.topo, run.cfg.microbatches, run.device, run.eod_id)
     losses, grad_norm, healthy = train_step(run.parallel, batches, step=step, grad_clip=run.cfg.grad_clip,
                                             autocast=autocast, healthy=healthy, docs=docs, label=label)
@@ -322,7 +329,10 @@ def run_step(run: Run, step: int, healthy: torch.Tensor | None, autocast: Callab
     device = {"loss": losses.loss, "grad_norm": grad_norm}
     if run.mcfg.moe.n_experts > 0:
         device.update(aux_loss=losses.aux_loss, **run.parallel.moe_stats_on_device())
-    return {"step": step, "lr": lr, "device": device, "pairs": pairs}, healthy
+    figures = {"step": step, "lr": lr, "device": device, "pairs": pairs}
+    if run.info["compile"]:  # frames dynamo compiled in this step (a host counter): none once the run is steady
+        figures["compiles"] = frames_compiled() - compiled_before
+    return figures, healthy
 
 
 def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, started: float) -> list[dict[str, Any]]:
@@ -347,7 +357,8 @@ def read_window(run: Run, pending: list[dict[str, Any]], meter: MfuMeter, starte
             run.log(note)
         records.append({"step": p["step"], "loss": figures.pop("loss"), "lr": p["lr"],
                         "grad_norm": figures.pop("grad_norm"), "mfu": mfu, "step_s": seconds,
-                        "tokens_per_s": tokens / seconds, "peak_mem_bytes": peak_mem, **figures})
+                        "tokens_per_s": tokens / seconds, "peak_mem_bytes": peak_mem, **figures,
+                        **({"compiles": p["compiles"]} if "compiles" in p else {})})
     return records
 
 

@@ -55,6 +55,8 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: none, selective (keep matmul outputs) or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
     compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
+    compile_backend: str = "inductor"  # torch.compile's backend: inductor, aot_eager (no codegen), eager (dynamo only)
+    expert_backend: str = "auto"  # routed experts' kernel: auto (grouped_mm where CUDA's rule holds), loop, grouped_mm
     device: str = "auto"
     # parallel layout (dp None: whatever the other dimensions leave of the world size)
     dp: int | None = None

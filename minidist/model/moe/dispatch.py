@@ -75,6 +75,9 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     return DispatchPlan(token, gate, counts, routed, order)
 
 
+EXPERT_BACKENDS = ("auto", "loop", "grouped_mm")
+
+
 def grouped_mm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, device_type: str,
                      autocast_dtype: torch.dtype | None = None, aligned: bool = True) -> torch.dtype | None:
     """The dtype torch._grouped_mm (private, torch >= 2.8) runs the experts in here, or None (the loop).
@@ -118,8 +121,8 @@ class Experts(nn.Module):
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "auto") -> None:
         super().__init__()
-        if backend not in ("auto", "loop", "grouped_mm"):
-            raise ValueError(f"experts backend {backend!r} is unknown; choose 'auto', 'loop' or 'grouped_mm'")
+        if backend not in EXPERT_BACKENDS:
+            raise ValueError(f"experts backend {backend!r} is unknown; choose one of {EXPERT_BACKENDS}")
         self.backend = backend
         # Zeros here; build_model / init_parameters give the values (N(0, σ), w2 scaled as a residual output).
         self.w1 = nn.Parameter(torch.zeros(n_experts, d_model, d_expert))

@@ -106,6 +106,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
 
 
+@torch.compiler.disable  # a compiled block calls it eagerly: see the note below
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: str = "zigzag",
                    scale: float | None = None, work: Work | None = None, docs: torch.Tensor | None = None
                    ) -> torch.Tensor:
@@ -113,6 +114,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     document with `docs`, the ids [B, T] of the whole sequence: a key block's are indexed by its global spans).
 
     q [B, H, T/cp, d], k [B, H_kv, T/cp, d], v [B, H_kv, T/cp, d_v]: this rank's tokens under `layout`
-    ("zigzag" or "contiguous", `minidist.parallel.cp.sharding`). Returns [B, H, T/cp, d_v]."""
+    ("zigzag" or "contiguous", `minidist.parallel.cp.sharding`). Returns [B, H, T/cp, d_v].
+
+    Never traced by torch.compile (a graph break in a compiled block, as each collective is): which chunk pairs
+    meet, and the positions they hold, are Python integers that change from one ring step to the next; traced,
+    every step's spans were a recompile of `blockwise.forward_pairs`, and the recompile made them symbolic (a
+    `len(range)` of symbols, which dynamo cannot take). Its kernels are the fused attention's anyway."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, comm, layout, scale, work, docs)
