@@ -134,12 +134,25 @@ def resolve_compile(setting: bool | None, device: torch.device) -> bool:
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
-    """Compile every block of `model.blocks` in place (names, parameters and later module swaps unchanged)."""
+    """Compile the forward of every block of `model.blocks` in place (names, parameters and later module swaps
+    unchanged). The forward, not the module's call (`nn.Module.compile`): the hooks on a block (ZeRO-3 gathers
+    its parameters in one, `param.data = gathered`) stay outside the graph; traced, AOTAutograd made them
+    mutations of the parameters, whose version counters then failed the saved parameters' check in the backward."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile backend {backend!r} is unknown; choose one of {COMPILE_BACKENDS}")
     for block in model.blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     return model
+
+
+def keep_gemms_eager(model: nn.Module) -> None:
+    """Run every module that owns a weight matrix (linears of any kind, experts) outside the compiled graphs: a
+    graph break around each. A compiled graph is one autograd node that computes all its gradients at once; a
+    matmul left to autograd computes dX and dW apart, which is what a zero-bubble schedule's B and W split
+    (`parallel.pp.split_backward`). Called after `parallelize`, whose swaps (tensor, expert parallel) are kept."""
+    for module in model.modules():
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)) and "forward" not in module.__dict__:
+            module.forward = torch.compiler.disable(module.forward)
 
 
 def frames_compiled() -> int:

@@ -50,8 +50,9 @@ from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.model.moe.stats import moe_layers
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
+from minidist.parallel.pp.schedules import ZB_SCHEDULES
 from minidist.train import metrics, profiling, run_dir, run_state
-from minidist.train.blocks import apply_recompute, compile_blocks, frames_compiled, resolve_compile
+from minidist.train.blocks import apply_recompute, compile_blocks, frames_compiled, keep_gemms_eager, resolve_compile
 from minidist.train.config import (
     ConfigError,
     RankConfigError,
@@ -98,7 +99,9 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
     if layout.recompute != "none":
         apply_recompute(model, layout.recompute)
-    if resolve_compile(cfg.compile, device):
+    compiled = resolve_compile(cfg.compile, device)
+    split = layout.dims.pp > 1 and cfg.schedule in ZB_SCHEDULES  # B and W apart (parallel.pp.split_backward)
+    if compiled:
         compile_blocks(model, cfg.compile_backend)  # lazily, at the first forward
     precision.configure_matmuls(device)
     autocast = precision.autocast_for(precision.resolve_dtype(cfg.dtype, device), device)
@@ -107,6 +110,8 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
                                        betas=(cfg.beta1, cfg.beta2))
     parallel = parallelize(model, mcfg, topo, layout.options, make_optimizer,
                            materialize.materializer(mcfg, cfg.seed, device))
+    if compiled and split:
+        keep_gemms_eager(model)  # W runs the weight GEMMs, outside the compiled graphs
     run = Run(cfg=cfg, mcfg=mcfg, env=env, topo=topo, device=device, parallel=parallel, schedule=lr_schedule(cfg),
               sampler=BatchSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed),
               val_batches=validation_batches(corpus, cfg, device), autocast=autocast,

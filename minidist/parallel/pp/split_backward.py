@@ -21,6 +21,12 @@ A custom autograd function computes all its input gradients whenever it runs (it
 forward), so a frontier node of one would do B's and W's work twice. One that declares `splits_by_phase` (the FP8
 linear) is told which half it runs: B and W set `split_phase` ("input", "weight") on its node, which is its context.
 
+A compiled region (`torch.compile`: AOTAutograd's one node per graph) computes every input gradient whenever it
+runs, weights' included, and cannot be told otherwise. B runs such a frontier node once and keeps what it gave each
+weight branch (a post-hook); W hands that on without running the node again (`_whole`): B then carries the region's
+weight gradients and W only what lies outside compiled regions. The trainer keeps the blocks' matmuls outside them
+under a zero-bubble schedule (`train.blocks.compile_blocks`), so W still holds the weight GEMMs.
+
 W accumulates through `torch.autograd.backward(..., inputs=weights)`, so the weights' accumulate-grad hooks fire as
 in a fused backward (data parallelism's bucketed reductions start from them). The graph, and every tensor it saved,
 stays alive until W (`retain_graph`): the pipeline's activation accounting releases a micro-batch at its W.
@@ -90,6 +96,15 @@ class WeightWork:
     groups: list[_Group]
     received: dict[Node, tuple[torch.Tensor | None, ...]]
     given: dict[Node, list[tuple[GradientEdge, torch.Tensor]]]
+    produced: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)  # whole nodes' outputs
+    branch: set[Node] = field(default_factory=set)  # the nodes off the input's path (the weights' branches)
+
+
+def _whole(node: Node) -> bool:
+    """A node that computes all its input gradients whenever it runs: a custom autograd function (a compiled
+    region is one) that does not split them by phase (`splits_by_phase`)."""
+    forward_cls = getattr(node, "_forward_cls", None)
+    return forward_cls is not None and not getattr(forward_cls, "splits_by_phase", False)
 
 
 def _weight_groups(parents: dict[Node, list[Node]], input_path: set[Node], roots: set[Node]) -> list[_Group]:
@@ -147,20 +162,37 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             received[node] = grad_outputs
         return hook
 
+    produced: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+    def keep(node: Node):
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: tuple) -> None:
+            produced[node] = grad_inputs
+        return hook
+
     handles = [node.register_prehook(record(node)) for node in hooked]
+    handles += [node.register_hook(keep(node)) for node in hooked if _whole(node)]
     _set_phase(hooked, "input")
     try:
         on_path = [(o, g) for o, g in zip(outputs, grads) if grad_node(o) in input_path]
         if inputs and on_path:
-            dinputs = list(torch.autograd.grad([o for o, _ in on_path], list(inputs), [g for _, g in on_path],
-                                               retain_graph=True, allow_unused=True))
+            with keeping_graph():
+                dinputs = list(torch.autograd.grad([o for o, _ in on_path], list(inputs), [g for _, g in on_path],
+                                                   retain_graph=True, allow_unused=True))
         else:
             dinputs = [None] * len(inputs)
     finally:
         for handle in handles:
             handle.remove()
         _set_phase(hooked, "weight")  # the next run of these nodes is W's
-    return dinputs, WeightWork(groups, received, given)
+    return dinputs, WeightWork(groups, received, given, produced, set(parents) - input_path if produced else set())
+
+
+def keeping_graph() -> contextlib.AbstractContextManager:
+    """Around a backward with `retain_graph=True` through compiled regions: AOTAutograd refuses one where it
+    compiled donated buffers (saved tensors a fused backward may overwrite with its outputs), unless its switch,
+    `torch._functorch.config.donated_buffer`, is off while it runs; a kept graph's backward is then compiled
+    without them (torch picks the variant by `retain_graph`)."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def _set_phase(nodes: set[Node], phase: str | None) -> None:
@@ -183,6 +215,12 @@ def backward_weight(work: WeightWork,
             for edge, g in work.given.get(node, []):
                 edges.append(edge)
                 grads.append(g)
+            if node in work.produced:  # ran whole in B: its gradients go on into the weights' branches
+                for (child, nr), g in zip(node.next_functions, work.produced[node]):
+                    if child is not None and g is not None and child in work.branch:
+                        edges.append(GradientEdge(child, nr))
+                        grads.append(g)
+                continue
             for i, g in enumerate(work.received.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
@@ -195,13 +233,13 @@ def backward_weight(work: WeightWork,
         handles = [node.register_prehook(lambda _, g=work.received[node]: g)
                    for node in group.frontier if len(group.frontier) > 1 and node in work.received]
         try:
-            with quiet() if index < len(calls) - 1 else contextlib.nullcontext():
+            with quiet() if index < len(calls) - 1 else contextlib.nullcontext(), keeping_graph():
                 torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
         finally:
             for handle in handles:
                 handle.remove()
     _set_phase({node for group in work.groups for node in group.frontier}, None)
-    work.groups, work.received, work.given = [], {}, {}  # let the graph and its saved tensors go
+    work.groups, work.received, work.given, work.produced, work.branch = [], {}, {}, {}, set()  # the graph goes
 
 
 def backward_input_simple(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -209,7 +247,9 @@ def backward_input_simple(outputs: Sequence[torch.Tensor], grads: Sequence[torch
     """B the simple way: the input gradients, keeping the whole graph for a second walk in W."""
     if not inputs:
         return []
-    return list(torch.autograd.grad(list(outputs), list(inputs), list(grads), retain_graph=True, allow_unused=True))
+    with keeping_graph():
+        return list(torch.autograd.grad(list(outputs), list(inputs), list(grads), retain_graph=True,
+                                        allow_unused=True))
 
 
 def backward_weight_simple(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
