@@ -17,8 +17,8 @@ from tests.test_train import small_config
 
 
 def compiled_blocks(model) -> int:
-    """How many of `model.blocks` go through compiled code (`nn.Module.compile` sets `_compiled_call_impl`)."""
-    return sum(getattr(block, "_compiled_call_impl", None) is not None for block in model.blocks)
+    """How many of `model.blocks` go through compiled code (their forward is torch.compile's wrapper)."""
+    return sum(hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable") for block in model.blocks)
 
 
 def test_compiled_run_logs_the_eager_run(tmp_path):
@@ -52,6 +52,21 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
         parse_config(["--compile", "--device", "cpu"])
+    for backend in ("aot_eager", "eager"):  # no code generation: no compiler asked for
+        assert parse_config(["--compile", "--device", "cpu", "--compile-backend", backend]).compile_backend == backend
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--compile-backend", "cudagraphs"], "compile_backend 'cudagraphs' is unknown"),
+    (["--expert-backend", "triton"], "expert_backend 'triton' is unknown"),
+    (["--compile", "--compile-backend", "aot_eager", "--expert-backend", "grouped_mm"],
+     "grouped_mm with --compile needs --dtype bf16"),
+])
+def test_compile_settings_are_refused_in_one_line(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config([*argv, "--device", "cpu"])
+    parse_config(["--compile", "--compile-backend", "aot_eager", "--expert-backend", "grouped_mm", "--dtype",
+                  "bf16", "--device", "cpu"])  # bf16: CUDA's rule holds
 
 
 @pytest.mark.parametrize("argv, setting", [([], None), (["--compile"], True), (["--no-compile"], False),

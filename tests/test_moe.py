@@ -252,8 +252,8 @@ def test_dispatch_equals_naive_loop(case, backend):
     # float64 makes the comparison exact up to summation order; CPU grouped_mm only takes float32.
     dtype, tol = (torch.float32, dict(rtol=1e-4, atol=1e-5)) if backend == "grouped_mm" else (torch.float64, {})
     layer.to(dtype)
-    if backend == "grouped_mm" and not grouped_mm_works(torch.zeros(1, 32), layer.experts.w1):
-        pytest.skip("torch._grouped_mm does not take these operands here")
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
     with torch.no_grad():
         layer.router_bias.copy_(torch.randn(layer.n_experts) * 0.1)  # the selection bias takes part too
     x = torch.randn(3, 10, 32, generator=torch.Generator().manual_seed(4), dtype=dtype)
@@ -406,19 +406,39 @@ def test_tiny_moe_model_trains_and_reports_stats():
     assert biases.abs().sum() > 0
 
 
-def test_grouped_mm_dtype_follows_autocast_on_cuda_and_keeps_fp32_on_cpu():
+def test_grouped_mm_dtype_follows_autocast_and_cudas_contract_on_every_device():
     from minidist.model.moe.dispatch import grouped_mm_dtype
 
     f32, bf16 = torch.float32, torch.bfloat16
-    # CUDA: the fp32 residual stream under bf16 autocast goes to grouped_mm in bf16, as autocast casts matmuls.
-    assert grouped_mm_dtype(f32, f32, "cuda", autocast_dtype=bf16) == bf16
-    assert grouped_mm_dtype(bf16, bf16, "cuda") == bf16
-    assert grouped_mm_dtype(f32, f32, "cuda") is None  # no autocast: fp32 experts on the loop, as before
-    assert grouped_mm_dtype(f32, f32, "cuda", autocast_dtype=torch.float16) is None
-    # CPU: fp32 only (rows aligned to 16 bytes), autocast or not: fp32 CPU runs are unchanged.
-    assert grouped_mm_dtype(f32, f32, "cpu", autocast_dtype=bf16) == f32
-    assert grouped_mm_dtype(f32, f32, "cpu", aligned=False) is None
-    assert grouped_mm_dtype(torch.float64, torch.float64, "cpu") is None
+    for device in ("cuda", "cpu"):
+        # the fp32 residual stream under bf16 autocast goes to grouped_mm in bf16, as autocast casts matmuls
+        assert grouped_mm_dtype(f32, f32, device, autocast_dtype=bf16) == bf16
+        assert grouped_mm_dtype(bf16, bf16, device) == bf16
+        assert grouped_mm_dtype(bf16, bf16, device, aligned=False) is None  # rows not 16-byte aligned
+        assert grouped_mm_dtype(f32, f32, device) is None  # no autocast: fp32 experts on the loop
+        assert grouped_mm_dtype(f32, f32, device, autocast_dtype=torch.float16) is None
+        assert grouped_mm_dtype(torch.float64, torch.float64, device) is None
+    # aligned as bf16 rows: d = 8 is 16 bytes, d = 4 is 8 (the CPU kernel takes it in fp32; CUDA's rule does not)
+    assert grouped_mm_works(torch.zeros(2, 8, dtype=bf16), torch.zeros(2, 8, 8, dtype=bf16))
+    assert not grouped_mm_works(torch.zeros(2, 4, dtype=bf16), torch.zeros(2, 4, 8, dtype=bf16))
+
+
+def test_the_compiled_grouped_mm_follows_cudas_rule_which_auto_follows_too():
+    """torch.compile traces _grouped_mm with its meta function, CUDA's rule, on any device: fp32 fails at trace
+    time, so "auto" takes the loop for fp32 (and the loop never recompiles: its sizes stay out of the graph)."""
+    from minidist.model.moe.dispatch import Experts
+
+    experts = Experts(2, 8, 16, backend="grouped_mm")
+    with torch.no_grad():
+        for weight in experts.parameters():
+            weight.normal_()
+    x, counts = torch.randn(6, 8), torch.tensor([2, 4])
+    with pytest.raises(Exception, match="BF16"):
+        torch.compile(experts, backend="aot_eager")(x, counts)
+    torch._dynamo.reset()
+    experts.backend = "auto"
+    torch.testing.assert_close(torch.compile(experts, backend="aot_eager")(x, counts),
+                               Experts.forward(experts, x, counts))
 
 
 def test_expert_outputs_keep_the_residual_dtype_under_autocast():

@@ -194,6 +194,11 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.recompute == "selective" and cfg.cp > 1:
         raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
                           "keys, and the policy would keep every block's output; use --recompute full or --cp 1")
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cfg.device == "cuda")
+    if cfg.compile and cfg.expert_backend == "grouped_mm" and not bf16:
+        raise ConfigError("--expert-backend grouped_mm with --compile needs --dtype bf16: torch.compile traces "
+                          "torch._grouped_mm with CUDA's rule (bf16 operands) on any device; use --dtype bf16 or "
+                          "--expert-backend auto")
 
 
 def _check_data(cfg: TrainConfig) -> None:

@@ -82,23 +82,24 @@ def grouped_mm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, device_type: st
                      autocast_dtype: torch.dtype | None = None, aligned: bool = True) -> torch.dtype | None:
     """The dtype torch._grouped_mm (private, torch >= 2.8) runs the experts in here, or None (the loop).
 
-    On CPU it takes fp32 operands whose rows' byte strides are multiples of 16 (`aligned`; checked on torch 2.13.0),
-    so a CPU run keeps fp32 even under bf16 autocast (the loop would round). On CUDA it takes bf16, and under bf16
-    autocast (`autocast_dtype`) the operands are cast to it as autocast casts every other matmul's: the fp32
-    residual stream alone would keep the experts on the loop of one matmul per expert."""
+    CUDA's contract on every device (`device_type` is kept for callers): bf16 operands whose rows' byte strides
+    are multiples of 16 (`aligned`). Under bf16 autocast (`autocast_dtype`) the operands are cast to it as autocast
+    casts every other matmul's: the fp32 residual stream alone would keep the experts on the loop of one matmul
+    per expert. The CPU kernel also takes fp32 (checked on torch 2.13.0), but the op's meta function, which
+    torch.compile traces with on any device, is CUDA's rule ("Expected inputs of BF16 type"): a compiled fp32 CPU
+    run would fail at its first trace. `Experts(backend="grouped_mm")` still runs it on fp32 eagerly."""
     if not hasattr(torch, "_grouped_mm"):
         return None
-    if device_type == "cpu":
-        return torch.float32 if x_dtype == w_dtype == torch.float32 and aligned else None
     dtype = autocast_dtype if autocast_dtype is not None else (x_dtype if x_dtype == w_dtype else None)
-    return dtype if dtype == torch.bfloat16 else None
+    return dtype if dtype == torch.bfloat16 and aligned else None
 
 
 def grouped_mm_operand_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
     """`grouped_mm_dtype` of these operands under the autocast state of their device (None: the loop)."""
     device = x.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
+    size = torch.finfo(torch.bfloat16).bits // 8  # the rows' strides as bf16 operands have them
+    aligned = all(n * size % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
     return grouped_mm_dtype(x.dtype, w.dtype, device, autocast, aligned)
 
 
@@ -144,6 +145,12 @@ class Experts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(xg, w1, offs=offsets)) * torch._grouped_mm(xg, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets).to(x.dtype)
+        return self._loop(x, counts)
+
+    @torch.compiler.disable  # in a compiled block, run eagerly: each expert's rows are data (a host read)
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One matmul per expert on its slice. Never traced: the slice sizes come from `counts.tolist()`, and a
+        compiled loop specialized on them was a recompile at almost every forward (57 in 10 steps of ep2)."""
         # split, not x[a:b] in a loop, for the same reason as unbind: its backward is one concatenation.
         outputs = [swiglu(xe, *w) for xe, w in zip(x.split(counts.tolist()), self.per_expert()) if xe.shape[0]]
         return torch.cat(outputs).to(x.dtype) if outputs else x.new_zeros(0, self.w2.shape[-1])

@@ -157,7 +157,10 @@ class ExpertParallelExperts(Experts):
             setattr(self, name, local)
         self.last_counts: torch.Tensor | None = None
 
+    @torch.compiler.disable  # see below
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Never traced by torch.compile (an eager call inside a compiled block): the all-to-all's splits are
+        data read on the host, and every row count they give is a new shape; traced, they were recompiles."""
         ep, me, n_local = self.comm.size, self.comm.rank, self.n_experts // self.comm.size
         by_rank = counts.view(ep, n_local)
         received = self.comm.all_to_all(by_rank.contiguous())  # [ep, n_local]: row j from rank j

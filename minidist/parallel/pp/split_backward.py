@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config as functorch_config
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
@@ -192,7 +193,7 @@ def keeping_graph() -> contextlib.AbstractContextManager:
     compiled donated buffers (saved tensors a fused backward may overwrite with its outputs), unless its switch,
     `torch._functorch.config.donated_buffer`, is off while it runs; a kept graph's backward is then compiled
     without them (torch picks the variant by `retain_graph`)."""
-    return torch._functorch.config.patch(donated_buffer=False)
+    return functorch_config.patch(donated_buffer=False)
 
 
 def _set_phase(nodes: set[Node], phase: str | None) -> None:
