@@ -70,6 +70,9 @@ from minidist.train.profiling import StepProfiler
 from minidist.train.run import Run
 from minidist.trust import faults, health, replicas
 
+# the summary's lists and the record field each takes, step by step (compiles: this rank's; metrics.jsonl has rank 0's)
+SUMMARY_KEYS = (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu"),
+                ("compiles", "compiles"))
 VAL_SEED = 20240101  # validation batches do not depend on --seed: runs with different seeds compare on one set
 
 
@@ -277,8 +280,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     for line in [*metrics.header_lines(cfg, info, run.out), profiler.skipped(run.start_step)]:
         if line:
             run.log(line)
-    summary: dict[str, Any] = {"steps": [], "losses": [], "val_losses": {}, "tokens_per_s": [], "mfu": [],
-                               "compiles": []}
+    summary: dict[str, Any] = {"val_losses": {}, **{key: [] for key, _ in SUMMARY_KEYS}}
     clock = metrics.Clock(total=run_state.end_step(cfg) - run.start_step)
     meter = MfuMeter(info["mfu_flops_per_token"], info["peak_flops"] * run.env.world_size,
                      datasheet=info["peak_flops_source"].startswith("datasheet"))
@@ -306,9 +308,8 @@ def train_loop(run: Run) -> dict[str, Any]:
         if board:
             board.write(records)  # the figures just read: no host read of its own
         for record in records:
-            for key, name in (("steps", "step"), ("losses", "loss"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu")):
-                summary[key].append(record[name])
-            summary["compiles"].append(record.get("compiles"))  # this rank's (metrics.jsonl holds rank 0's)
+            for key, name in SUMMARY_KEYS:
+                summary[key].append(record.get(name))
         if logging:
             run.log(metrics.progress_line(records[-1], cfg.steps, clock))
         if _is_due(step, cfg.check_every, last):  # run_state checks at every checkpoint and resume too
