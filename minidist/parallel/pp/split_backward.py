@@ -20,12 +20,11 @@ two products are independent, so the previous stage can get dx (B) at once while
 A custom autograd function computes all its input gradients whenever it runs (its `needs_input_grad` is fixed at
 forward), so a frontier node of one would do B's and W's work twice. One that declares `splits_by_phase` (the FP8
 linear) is told which half it runs: B and W set `split_phase` ("input", "weight") on its node, which is its context.
-
-A compiled region (`torch.compile`: AOTAutograd's one node per graph) computes every input gradient whenever it
-runs, weights' included, and cannot be told otherwise. B runs such a frontier node once and keeps what it gave each
-weight branch (a post-hook); W hands that on without running the node again (`_whole`): B then carries the region's
-weight gradients and W only what lies outside compiled regions. The trainer keeps the blocks' matmuls outside them
-under a zero-bubble schedule (`train.blocks.compile_blocks`), so W still holds the weight GEMMs.
+Any other (a compiled region is one: AOTAutograd's one node per graph, which computes the weights' gradients with
+the input's) runs once, in B, which keeps what it gave each weight branch (a post-hook); W hands that on without
+running it again (`_whole`): B then carries its weight gradients, W what lies outside it. Under a zero-bubble
+schedule the trainer runs the blocks' weight GEMMs outside the compiled graphs (`train.blocks.keep_gemms_eager`),
+so W still holds them.
 
 W accumulates through `torch.autograd.backward(..., inputs=weights)`, so the weights' accumulate-grad hooks fire as
 in a fused backward (data parallelism's bucketed reductions start from them). The graph, and every tensor it saved,
