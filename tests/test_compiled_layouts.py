@@ -53,8 +53,8 @@ EXTRA = {
 }
 # Left out, for the suite's time (each compiled layout costs seconds of tracing on 2 cores): layouts whose compiled
 # graphs another one here already traces (ZeRO 0 and 2 like ZeRO 1: data parallelism acts after the backward; AFAB
-# like 1F1B: the same chunks in another order), and the 4-rank compositions of these.
-SAME_GRAPHS = ("dp2 zero0", "dp2 zero2", "pp2 afab")
+# and interleaved like 1F1B: the same blocks, in other chunks and another order), and the 4-rank compositions.
+SAME_GRAPHS = ("dp2 zero0", "dp2 zero2", "pp2 afab", "pp2 interleaved")
 LAYOUTS = {2: {**{n: v for n, v in SENTINEL_LAYOUTS[2].items() if n not in SAME_GRAPHS}, **EXTRA[2]}}
 
 
