@@ -61,6 +61,9 @@ def test_compile_without_a_cpp_compiler_is_one_line(monkeypatch):
     (["--expert-backend", "triton"], "expert_backend 'triton' is unknown"),
     (["--compile", "--compile-backend", "aot_eager", "--expert-backend", "grouped_mm"],
      "grouped_mm with --compile needs --dtype bf16"),
+    # eager too (main 7df2745): "Trying to backward an extra time ... selective activation checkpoint" on rank 1
+    (["--recompute", "selective", "--pp", "2", "--schedule", "zbv", "--microbatches", "4", "--batch-size", "8"],
+     "selective with --schedule zbv: W reads"),
 ])
 def test_compile_settings_are_refused_in_one_line(argv, match):
     with pytest.raises(ConfigError, match=match):

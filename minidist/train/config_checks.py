@@ -19,7 +19,7 @@ from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.model.moe.dispatch import EXPERT_BACKENDS
 from minidist.parallel.cp import IMPLS as CP_IMPLS
 from minidist.parallel.layout import RECOMPUTE
-from minidist.parallel.pp.schedules import ALL_SCHEDULES
+from minidist.parallel.pp.schedules import ALL_SCHEDULES, ZB_SCHEDULES
 from minidist.precision import DTYPES
 from minidist.train.blocks import COMPILE_BACKENDS, check_can_compile
 from minidist.train.dashboard import require_tensorboard
@@ -194,6 +194,10 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.recompute == "selective" and cfg.cp > 1:
         raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
                           "keys, and the policy would keep every block's output; use --recompute full or --cp 1")
+    if cfg.recompute == "selective" and cfg.pp > 1 and cfg.schedule in ZB_SCHEDULES:
+        raise ConfigError(f"--recompute selective with --schedule {cfg.schedule}: W reads the block's recomputed "
+                          "tensors again after B, and selective checkpointing lets each be read once; use "
+                          "--recompute full or a schedule without a B/W split (1f1b, interleaved)")
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cfg.device == "cuda")
     if cfg.compile and cfg.expert_backend == "grouped_mm" and not bf16:
         raise ConfigError("--expert-backend grouped_mm with --compile needs --dtype bf16: torch.compile traces "
