@@ -121,7 +121,7 @@ def expand_scale(scale: torch.Tensor, granularity: str, block: int, shape: torch
         return scale
     rows, cols = _block_shape(granularity, block)
     full = scale.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
-    return full[: shape[0], : shape[1]]
+    return full.narrow(0, 0, shape[0]).narrow(1, 0, shape[1])  # narrow, not [:, :]: fake CUDA tensors take it
 
 
 def saturate_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
