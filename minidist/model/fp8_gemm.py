@@ -81,6 +81,25 @@ def _expand(inv: torch.Tensor, granularity: str, block: int, shape: torch.Size) 
         1, 0, shape[1])
 
 
+@functools.cache
+def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 codes of an FP8 dtype."""
+    return torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(dtype).float()
+
+
+def _dequantized(t: torch.Tensor, inv: torch.Tensor, granularity: str, block: int) -> torch.Tensor:
+    """An FP8 operand's fp32 values times its decoding scales. On a CPU each code is looked up in a 256-entry
+    table (exact, and ~3x faster than the CPU's element-wise e4m3 cast, measured), a scalar scale folded into
+    the table (the same fp32 products, 256 of them instead of one per element)."""
+    if t.device.type != "cpu":
+        return t.float() * _expand(inv, granularity, block, t.shape)
+    table = _fp8_values(t.dtype, t.device)
+    codes = t.view(torch.uint8).long()
+    if granularity == "tensor":
+        return torch.take(table * inv, codes)
+    return torch.take(table, codes) * _expand(inv, granularity, block, t.shape)
+
+
 def _blockwise(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, b_granularity: str
                ) -> torch.Tensor:
     """torch's native 1x128 x (128x128 | 1x128) GEMM, bf16 out; scales laid out as the kernel reads them."""
@@ -120,8 +139,7 @@ def run_gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch
     elif kernel == "sliced_scaled_mm":
         out = _sliced(a, a_inv, b, b_inv, a_gran, b_gran, block)
     elif kernel == "dequantized_mm":
-        out = (a.float() * _expand(a_inv, a_gran, block, a.shape)) @ (b.float() * _expand(b_inv, b_gran, block,
-                                                                                          b.shape)).t()
+        out = _dequantized(a, a_inv, a_gran, block) @ _dequantized(b, b_inv, b_gran, block).t()
     else:
         raise ValueError(f"fp8 GEMM kernel {kernel!r} is unknown; choose one of {KERNELS}")
     return out.to(out_dtype)
