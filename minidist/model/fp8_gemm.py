@@ -26,8 +26,6 @@ matmul outputs keeps this one output, in the dtype the layer returns, never the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +33,6 @@ KERNELS = ("scaled_mm", "scaled_mm_blockwise", "sliced_scaled_mm", "dequantized_
 NATIVE_BLOCK = 128  # the one block size of torch's block-scaled GEMM
 
 
-@functools.cache
 def native_blockwise(device: torch.device) -> bool:
     """Whether this torch and `device` have the native 1x128/128x128 block-scaled GEMM: `F.scaled_mm`, a CUDA >= 12.9
     build, and a compute capability 9.x GPU (torch refuses it elsewhere)."""
@@ -81,9 +78,9 @@ def _expand(inv: torch.Tensor, granularity: str, block: int, shape: torch.Size) 
         1, 0, shape[1])
 
 
-@functools.cache
 def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The fp32 value of each of the 256 codes of an FP8 dtype."""
+    """The fp32 value of each of the 256 codes of an FP8 dtype (built per call, never cached: a call under
+    FakeTensorMode, e.g. while torch.compile traces, must not leave a fake table for the eager ones)."""
     return torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(dtype).float()
 
 
