@@ -10,7 +10,7 @@ from minidist.memory import LiveTensorBytes
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.fp8 import E4M3, E5M2, quantize
 from minidist.model.fp8_gemm import choose_kernel, run_gemm
-from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels
 from minidist.train.blocks import apply_recompute
 
 
@@ -74,6 +74,10 @@ def test_which_kernel_runs_where():
                                               ("block", 256, 512, 128, False), ("block", 256, 512, 64, True),
                                               ("block", 256, 320, 128, True), ("block", 320, 512, 128, True)]}
     assert list(native.values()) == ["scaled_mm_blockwise", "scaled_mm_blockwise"] + ["sliced_scaled_mm"] * 4
+    # what run.json records: this CPU-only torch has no native block-scaled GEMM, whatever the device asked for
+    assert gemm_kernels(Fp8Recipe("blockwise"), torch.device("cuda")) == dict.fromkeys(
+        ("forward", "input gradient", "weight gradient"), "sliced_scaled_mm")
+    assert gemm_kernels(Fp8Recipe("tensorwise"), torch.device("cpu"))["weight gradient"] == "dequantized_mm"
 
 
 def _kept_bytes(recipe: str | None, autocast: bool) -> int:

@@ -4,6 +4,7 @@ run within fp32 tolerance; every rank runs the FP8 GEMMs it should each step (no
 shards that are not whole blocks are a one-line error before any process group."""
 
 import functools
+import json
 import math
 
 import pytest
@@ -41,7 +42,10 @@ def expected_gemms(recipe: str) -> dict[str, int]:
 def _counted_run(out: str, **changes) -> dict:
     with CountScaledMM() as count:
         summary = train.train(config(out, **changes))
-    return {"losses": summary["losses"], "gemms": dict(count.kernels), "records": trainer_parity.records(out)}
+    with open(f"{out}/run.json") as f:
+        said = json.load(f)["fp8_gemms"]
+    return {"losses": summary["losses"], "gemms": dict(count.kernels), "records": trainer_parity.records(out),
+            "said": said}
 
 
 def _rank_runs(root: str) -> dict:
@@ -98,7 +102,8 @@ def test_recipe_trains_within_fp8_tolerance(recipe, single):
 def test_fp8_gemms_per_step_on_every_rank(recipe, single, tp_results):
     want = {kernel: STEPS * n for kernel, n in expected_gemms(recipe).items()}
     assert single[recipe]["gemms"] == want
-    assert single["none"]["gemms"] == {}
+    assert single["none"]["gemms"] == {} and single["none"]["said"] == {}
+    assert set(single[recipe]["said"].values()) == set(want), "run.json names the kernels that ran"
     for rank, r in enumerate(tp_results):
         assert r[recipe]["gemms"] == want, (recipe, rank)
 

@@ -100,6 +100,21 @@ def gemm_kernel(a: Quantized, b: Quantized, native: bool | None = None) -> str:
                          native)
 
 
+def gemm_kernels(recipe: Fp8Recipe | None, device: torch.device) -> dict[str, str]:
+    """Which kernel runs each of the recipe's three GEMMs on `device` (what run.json records; {} without FP8). The
+    native block-scaled GEMM needs contractions (and a 128x128 operand's rows) of whole blocks of 128: said so."""
+    if recipe is None:
+        return {}
+    native = native_blockwise(device)
+    roles = {"forward": ("input", "weight"), "input gradient": ("grad", "weight"), "weight gradient": ("grad", "input")}
+    kernels = {}
+    for gemm, (a, b) in roles.items():
+        kernel = choose_kernel(recipe.granularity(a), recipe.granularity(b), device.type, recipe.block, 128, 128,
+                               native)
+        kernels[gemm] = kernel + (", else sliced_scaled_mm" if kernel == "scaled_mm_blockwise" else "")
+    return kernels
+
+
 def scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.float32,
                   native: bool | None = None) -> torch.Tensor:
     """a @ bᵀ from two operands quantized along their columns (the contraction), fp32 accumulation, written in
