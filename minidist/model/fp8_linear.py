@@ -11,10 +11,11 @@ in fp32 and writing the layer's dtype (the autocast dtype if autocast is on).
 - rowwise: one scale per row along each GEMM's contraction, all e4m3, scales rounded down to powers of two
   (torchao's rowwise recipe); one `torch._scaled_mm` with (M, 1) and (1, N) scales, written in bf16;
 - blockwise (DeepSeek-V3 §3.3): activations and gradients in 1×b tiles along the contraction, weights in b×b
-  blocks, all e4m3. torch's CUDA block-scaled GEMM takes 1×128 and 128×128 scales on sm90 (CUDA >= 12.9), and
-  runs it there; the CPU kernel takes no block scales, and elsewhere the GEMM walks K one block at a time with
-  per-row scales and sums the partial products in fp32: the "promotion" of partial sums DeepSeek-V3 §3.3.2 makes
-  every 128 elements on the tensor cores.
+  blocks, all e4m3. torch's CUDA block-scaled GEMM takes 1×128 and 128×128 scales on sm90 (CUDA >= 12.9, blocks
+  of 128) and runs the GEMM there; the CPU's `_scaled_mm` takes no block scales (a CPU runs the dequantized fp32
+  matmul), and on other GPUs the GEMM walks K one block at a time with per-row scales, summing the partial
+  products in fp32: the "promotion" of partial sums DeepSeek-V3 §3.3.2 makes every 128 elements on the tensor
+  cores.
 
 Under tensor parallelism a scaling group may span ranks: a row-parallel linear splits K (the rows of X and W that
 the forward scales), a column-parallel one splits N (what the input gradient scales over). `TpScales` names the
