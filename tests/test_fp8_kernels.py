@@ -5,12 +5,13 @@ GEMM, in the layer's dtype, never the fp32 partials inside it (measured by tenso
 
 import pytest
 import torch
+from test_fp8 import CountScaledMM
 
 from minidist.memory import LiveTensorBytes
 from minidist.model import build_model, get_preset, lm_loss
 from minidist.model.fp8 import E4M3, E5M2, quantize
 from minidist.model.fp8_gemm import choose_kernel, run_gemm
-from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels, linear
 from minidist.train.blocks import apply_recompute
 
 
@@ -101,3 +102,25 @@ def test_selective_recompute_keeps_no_fp32_gemm_partials(recipe):
     unscaled fp32 product, tensorwise's fp32 output under bf16 autocast."""
     for autocast in (False, True):
         assert _kept_bytes(recipe, autocast) == _kept_bytes(None, autocast), (recipe, autocast)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_the_gemm_writes_the_autocast_dtype(recipe):
+    """Under bf16 autocast the forward GEMM itself writes bf16 (no fp32 M×N output cast afterwards); the input and
+    weight gradients are written in their tensors' dtypes (fp32 here)."""
+    seen = []
+
+    class OutDtypes(CountScaledMM):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is torch.ops.minidist.fp8_gemm.default:
+                seen.append((args[8], out.dtype))
+            return out
+
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
+    with OutDtypes():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(x, w, None, Fp8Recipe(recipe, block=16))
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == w.grad.dtype == torch.float32
+    assert seen == [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.float32)]
