@@ -100,9 +100,10 @@ def amax(x: torch.Tensor, granularity: str, block: int = 128) -> torch.Tensor:
         raise ValueError(f"granularity {granularity!r} is unknown; choose one of {GRANULARITIES}")
     if x.dim() != 2:
         raise ValueError(f"quantize a 2-D tensor (rows, contraction), got shape {tuple(x.shape)}")
+    if granularity == "tensor":  # from the extremes: no |x| tensor of x's size
+        low, high = torch.aminmax(x.detach().float())
+        return torch.maximum(-low, high)
     a = x.detach().abs().float()
-    if granularity == "tensor":
-        return a.max()
     if granularity == "row":
         return a.amax(dim=1, keepdim=True)
     return _blocks(a, *_block_shape(granularity, block)).amax(dim=(1, 3))
@@ -121,13 +122,19 @@ def expand_scale(scale: torch.Tensor, granularity: str, block: int, shape: torch
         return scale
     rows, cols = _block_shape(granularity, block)
     full = scale.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
-    return full[: shape[0], : shape[1]]
+    return full.narrow(0, 0, shape[0]).narrow(1, 0, shape[1])  # narrow, not [:, :]: fake CUDA tensors take it
 
 
 def saturate_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast to FP8, clamping to ±max first: a value past the range becomes max, never NaN or inf."""
     limit = fp8_max(dtype)
     return x.clamp(-limit, limit).to(dtype)
+
+
+def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """saturate_cast(x · scale) with one temporary: the product clamped in place."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype = E4M3, granularity: str = "tensor", block: int = 128,
@@ -138,21 +145,13 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = E4M3, granularity: str = "ten
     if reduce_amax is not None:
         groups = reduce_amax(groups)
     scale = scale_from_amax(groups, dtype, power_of_2)
-    data = saturate_cast(x.float() * expand_scale(scale, granularity, block, x.shape), dtype)
+    data = _scaled_cast(x, expand_scale(scale, granularity, block, x.shape), dtype)
     return Quantized(data, scale, granularity, block)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """The fp32 value an FP8 tensor stands for: data / scale, group by group."""
     return q.data.float() / expand_scale(q.scale, q.granularity, q.block, q.data.shape)
-
-
-def per_row_chunk_scales(q: Quantized) -> torch.Tensor:
-    """The scales of a tile- or block-quantized tensor as one value per (row, block of columns): what a GEMM
-    that walks the contraction one block at a time multiplies each row of a partial product by."""
-    if q.granularity == "tile":
-        return q.scale
-    return q.scale.repeat_interleave(q.block, dim=0)[: q.data.shape[0]]
 
 
 def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

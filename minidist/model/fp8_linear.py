@@ -3,16 +3,19 @@ linears all call, three recipes, and the autograd function behind it.
 
 Y = X Wᵀ costs three GEMMs per step, each fed two quantized operands scaled along its own contraction dimension:
 forward Y = X Wᵀ (over K), input gradient dX = dY W (over N), weight gradient dW = dYᵀ X (over the tokens M).
-Accumulation and the output stay in fp32 (`torch._scaled_mm(..., out_dtype=float32)`).
+Each runs as one FP8 GEMM (`minidist.model.fp8_gemm`: which kernel the hardware at hand has, and why) accumulating
+in fp32 and writing the layer's dtype (the autocast dtype if autocast is on).
 
 - tensorwise: one scale per operand; X and W in e4m3, dY in e5m2 (gradients need range more than precision;
-  torchao's default recipe);
+  torchao's default recipe); a `torch._scaled_mm` with scalar scales on CUDA;
 - rowwise: one scale per row along each GEMM's contraction, all e4m3, scales rounded down to powers of two
-  (torchao's rowwise recipe);
+  (torchao's rowwise recipe); one `torch._scaled_mm` with (M, 1) and (1, N) scales, written in bf16;
 - blockwise (DeepSeek-V3 §3.3): activations and gradients in 1×b tiles along the contraction, weights in b×b
-  blocks, all e4m3; `torch._scaled_mm` takes no block scales, so the GEMM walks K one block at a time with
-  per-row scales and sums the partial products in fp32: the "promotion" of partial sums DeepSeek-V3 §3.3.2 makes
-  every 128 elements on the tensor cores.
+  blocks, all e4m3. torch's CUDA block-scaled GEMM takes 1×128 and 128×128 scales on sm90 (CUDA >= 12.9, blocks
+  of 128) and runs the GEMM there; the CPU's `_scaled_mm` takes no block scales (a CPU runs the dequantized fp32
+  matmul), and on other GPUs the GEMM walks K one block at a time with per-row scales, summing the partial
+  products in fp32: the "promotion" of partial sums DeepSeek-V3 §3.3.2 makes every 128 elements on the tensor
+  cores.
 
 Under tensor parallelism a scaling group may span ranks: a row-parallel linear splits K (the rows of X and W that
 the forward scales), a column-parallel one splits N (what the input gradient scales over). `TpScales` names the
@@ -31,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.model.fp8 import E4M3, E5M2, Quantized, dequantize, per_row_chunk_scales, quantize, snr_db
+from minidist.model.fp8 import E4M3, E5M2, Quantized, dequantize, quantize, snr_db
+from minidist.model.fp8_gemm import choose_kernel, fp8_gemm, native_blockwise, row_major
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 ROLES = ("input", "weight", "grad")
@@ -88,28 +92,61 @@ def quantize_operand(t: torch.Tensor, role: str, dims: tuple[str, str], recipe: 
     return quantize(t, recipe.dtype(role), granularity, recipe.block, recipe.power_of_2, reduce)
 
 
-def scaled_matmul(a: Quantized, b: Quantized) -> torch.Tensor:
-    """a @ bᵀ in fp32 from two operands quantized along their columns (the contraction).
+def gemm_kernel(a: Quantized, b: Quantized, native: bool | None = None) -> str:
+    """The kernel `scaled_matmul` runs a @ bᵀ with on these operands' device (`fp8_gemm.choose_kernel`); `native`
+    overrides whether the device has torch's block-scaled GEMM (the contract check rehearses a GPU's choice)."""
+    device = a.data.device
+    native = native_blockwise(device) if native is None else native
+    return choose_kernel(a.granularity, b.granularity, device.type, a.block, b.data.shape[0], a.data.shape[1],
+                         native)
 
-    Every call is a tensorwise `_scaled_mm` with an fp32 output (the one form every backend takes: CUDA's rowwise
-    kernel writes only bf16); per-row scales factor out of each dot product, so they multiply the fp32 result."""
-    if a.granularity == "tensor":
-        return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale.reciprocal(),
-                                scale_b=b.scale.reciprocal(), out_dtype=torch.float32)
-    one = torch.ones((), device=a.data.device)
-    if a.granularity == "row":  # scales (M, 1) and (N, 1)
-        product = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=one, scale_b=one,
-                                   out_dtype=torch.float32)
-        return product * a.scale.reciprocal() * b.scale.reciprocal().t()
-    inv_a, inv_b, block = per_row_chunk_scales(a).reciprocal(), per_row_chunk_scales(b).reciprocal(), a.block
-    out = None
-    for c in range(inv_a.shape[1]):  # one block of the contraction per call; partial sums added in fp32
-        cols = slice(c * block, (c + 1) * block)
-        part = torch._scaled_mm(a.data[:, cols].contiguous(), b.data[:, cols].contiguous().t(), scale_a=one,
-                                scale_b=one, out_dtype=torch.float32)
-        part = part * inv_a[:, c:c + 1] * inv_b[:, c].reshape(1, -1)
-        out = part if out is None else out + part
-    return out
+
+def gemm_kernels(recipe: Fp8Recipe | None, device: torch.device) -> dict[str, str]:
+    """Which kernel runs each of the recipe's three GEMMs on `device` (what run.json records; {} without FP8). The
+    native block-scaled GEMM needs contractions (and a 128x128 operand's rows) of whole blocks of 128: said so."""
+    if recipe is None:
+        return {}
+    native = native_blockwise(device)
+    roles = {"forward": ("input", "weight"), "input gradient": ("grad", "weight"), "weight gradient": ("grad", "input")}
+    kernels = {}
+    for gemm, (a, b) in roles.items():
+        kernel = choose_kernel(recipe.granularity(a), recipe.granularity(b), device.type, recipe.block, 128, 128,
+                               native)
+        kernels[gemm] = kernel + (", else sliced_scaled_mm" if kernel == "scaled_mm_blockwise" else "")
+    return kernels
+
+
+def scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.float32,
+                  native: bool | None = None) -> torch.Tensor:
+    """a @ bᵀ from two operands quantized along their columns (the contraction), fp32 accumulation, written in
+    `out_dtype`: one FP8 GEMM (`fp8_gemm`), by the kernel `gemm_kernel` picks."""
+    kernel = gemm_kernel(a, b, native)
+    return fp8_gemm(row_major(a.data), a.scale.reciprocal(), row_major(b.data), b.scale.reciprocal(),
+                    a.granularity, b.granularity, a.block, kernel, out_dtype)
+
+
+def forward_gemm(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, tp: TpScales | None,
+                 out_dtype: torch.dtype, native: bool | None = None) -> torch.Tensor:
+    """Y = X Wᵀ: contraction over K."""
+    xq = quantize_operand(x, "input", ("M", "K"), recipe, tp)
+    wq = quantize_operand(weight, "weight", ("N", "K"), recipe, tp)
+    return scaled_matmul(xq, wq, out_dtype, native)
+
+
+def input_grad_gemm(grad: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, tp: TpScales | None,
+                    out_dtype: torch.dtype, native: bool | None = None) -> torch.Tensor:
+    """dX = dY W: contraction over N."""
+    gq = quantize_operand(grad, "grad", ("M", "N"), recipe, tp)
+    wq = quantize_operand(weight.t(), "weight", ("K", "N"), recipe, tp)
+    return scaled_matmul(gq, wq, out_dtype, native)
+
+
+def weight_grad_gemm(grad: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe, tp: TpScales | None,
+                     out_dtype: torch.dtype, native: bool | None = None) -> torch.Tensor:
+    """dW = dYᵀ X: contraction over the tokens M."""
+    gq = quantize_operand(grad.t(), "grad", ("N", "M"), recipe, tp)
+    xq = quantize_operand(x.t(), "input", ("K", "M"), recipe, tp)
+    return scaled_matmul(gq, xq, out_dtype, native)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -120,12 +157,10 @@ class _Fp8Matmul(torch.autograd.Function):
     splits_by_phase = True  # read by split_backward: it sets `split_phase` on this node's context
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, tp: TpScales | None):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, tp: TpScales | None, out_dtype: torch.dtype):
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.tp = recipe, tp
-        xq = quantize_operand(x, "input", ("M", "K"), recipe, tp)
-        wq = quantize_operand(weight, "weight", ("N", "K"), recipe, tp)
-        return scaled_matmul(xq, wq)
+        return forward_gemm(x, weight, recipe, tp, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,27 +168,23 @@ class _Fp8Matmul(torch.autograd.Function):
         recipe, tp = ctx.recipe, ctx.tp
         phase = getattr(ctx, "split_phase", None)  # "input" (B), "weight" (W) or None (a fused backward: both)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0] and phase != "weight":  # dX = dY W: contraction over N
-            gq = quantize_operand(grad, "grad", ("M", "N"), recipe, tp)
-            wq = quantize_operand(weight.t(), "weight", ("K", "N"), recipe, tp)
-            grad_x = scaled_matmul(gq, wq).to(x.dtype)
-        if ctx.needs_input_grad[1] and phase != "input":  # dW = dYᵀ X: contraction over the tokens
-            gq = quantize_operand(grad.t(), "grad", ("N", "M"), recipe, tp)
-            xq = quantize_operand(x.t(), "input", ("K", "M"), recipe, tp)
-            grad_w = scaled_matmul(gq, xq).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        if ctx.needs_input_grad[0] and phase != "weight":
+            grad_x = input_grad_gemm(grad, weight, recipe, tp, x.dtype)
+        if ctx.needs_input_grad[1] and phase != "input":
+            grad_w = weight_grad_gemm(grad, x, recipe, tp, weight.dtype)
+        return grad_x, grad_w, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            recipe: Fp8Recipe | None = None, tp: TpScales | None = None) -> torch.Tensor:
     """The one linear of the blocks: `F.linear` without a recipe, else the FP8 GEMMs (fp32 accumulation; the
-    output in the autocast dtype if autocast is on, else in x's dtype; the bias added in that precision)."""
+    output written in the autocast dtype if autocast is on, else in x's dtype; the bias added in that precision)."""
     if recipe is None:
         return F.linear(x, weight, bias)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, recipe, tp)
-    y = y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
+    y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, recipe, tp, out_dtype)
+    y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(out_dtype)
 
 

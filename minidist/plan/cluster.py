@@ -39,7 +39,7 @@ class Cluster:
     inter: Link
     efficiency: float = DEFAULT_EFFICIENCY
     usable_memory: float = 0.9  # of memory_bytes: the rest for the allocator's slack, workspaces, NCCL buffers
-    fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: no FP8 tensor cores on record)
+    fp8_peak_flops: float = 0.0  # the chip's dense FP8 peak (0: none on record)
     attention_kernel: AttentionKernel | None = None  # its measured rates by length (None: at the matmul rate)
     hbm_bandwidth: float = 0.0  # bytes/s of the chip's memory (0: element-wise kernels not charged)
     sms: int = 0  # the chip's streaming multiprocessors (0: none on record)
@@ -99,7 +99,8 @@ def fp8_rate(cluster: Cluster, fp8: str, rows_per_expert: float | None = None) -
     `DEEPGEMM_DENSE`, the experts' `expert_gemm_rate`), else the FP8 peak (twice bf16's on Hopper) at the bf16
     matmul efficiency. A chip without an FP8 peak on record is a one-line ValueError."""
     if not cluster.fp8_peak_flops:
-        raise ValueError(f"--fp8 {fp8}: {cluster.name} has no FP8 peak on record (no FP8 tensor cores); choose one of "
+        raise ValueError(f"--fp8 {fp8}: {cluster.name} has no FP8 peak on record (no FP8 tensor cores, or no "
+                         "datasheet FP8 figure in minidist/hardware.py); choose one of "
                          f"{[name for name in node_chips() if 'fp8' in chip(name).dense_peak]}")
     if _deepgemm_measured(cluster, fp8):
         return gemm_rate(DEEPGEMM_DENSE) if rows_per_expert is None else expert_gemm_rate(rows_per_expert)

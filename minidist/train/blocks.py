@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from minidist.model.fp8_gemm import fp8_gemm
 from minidist.model.moe.layer import Replaying
 from minidist.model.moe.stats import moe_layers
 
@@ -50,13 +51,14 @@ RECOMPUTE_MODES = ("full", "selective")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # The operators whose outputs selective recomputation keeps: the matrix products (a linear on a [B, T, d] input is
-# an `mm` below autograd; grouped experts use `bmm`; FP8 linears `_scaled_mm`) and the fused attention kernels
-# (their output and log-sum-exp).
+# an `mm` below autograd; grouped experts use `bmm`; an FP8 linear's GEMM is one `minidist::fp8_gemm`, whose output
+# is in the layer's dtype: the fp32 partials inside it are never kept) and the fused attention kernels (their output
+# and log-sum-exp).
 _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name))
+    if hasattr(torch.ops.aten, name)) + (fp8_gemm._opoverload,)
 
 
 def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -47,7 +47,7 @@ from minidist.data.sampler import BatchSampler
 from minidist.data.training_data import TrainingData, load_training_data
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
-from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
+from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels, quantization_snr
 from minidist.model.moe.stats import moe_layers
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
@@ -197,6 +197,7 @@ def describe_run(run: Run, corpus: TrainingData, counts: dict[str, int]) -> dict
         "mfu_flops_per_token": flops.mfu_flops_per_token(mcfg, cfg.seq_len), "mfu_convention": MFU_CONVENTION,
         "peak_flops": peak, "peak_flops_source": peak_source, "dtype": dtype,
         "compile": resolve_compile(cfg.compile, run.device),
+        "fp8_gemms": gemm_kernels(None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block), run.device),
     }
 
 

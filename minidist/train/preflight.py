@@ -19,12 +19,14 @@ from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.comm.torch_support import check_torch
 from minidist.model import ModelConfig
+from minidist.model.fp8_gemm import native_blockwise
 from minidist.parallel.cp import validate_context_parallel
 from minidist.parallel.ep.expert import validate_expert_parallel
 from minidist.parallel.layout import Layout, ParallelOptions
 from minidist.parallel.pp.pipeline import validate_pipeline
 from minidist.parallel.tp.tensor import validate_fp8_blocks, validate_tensor_parallel
-from minidist.train import run_dir
+from minidist.precision import resolve_dtype
+from minidist.train import kernel_contracts, run_dir
 from minidist.train.config import ConfigError, TrainConfig, check_config, model_config
 from minidist.trust import faults
 
@@ -48,13 +50,39 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise ConfigError(str(e)) from None
     check_fits(cfg, env.world_size)  # before anything loops over layers or allocates
     layout = resolve_layout(cfg, env.world_size)
+    check_kernel_contracts(cfg, layout.dims)  # a CUDA run's GEMMs against CUDA's rules: no GPU needed
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
         faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
         device = pick_device(cfg.device, env)
+        if device.type == "cuda" and cfg.fp8 != "none":
+            kernel_contracts.check_fp8_device(torch.cuda.get_device_name(device),
+                                              torch.cuda.get_device_capability(device), cfg.peak_flops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Preflight(env, layout, device)
+
+
+def check_kernel_contracts(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """A run on CUDA (--device cuda, or auto with a GPU): its FP8 GEMMs (a rank's tokens per micro-batch after cp,
+    its tp shards) and its experts' grouped GEMMs run on fake CUDA tensors (`train/kernel_contracts.py`, in a
+    subprocess); the first rule one breaks is a one-line ConfigError."""
+    if not (cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())):
+        return
+    mcfg = model_config(cfg)
+    native = torch.cuda.is_available() and native_blockwise(torch.device("cuda", 0))
+    tokens = cfg.batch_size // (dims.dp * cfg.microbatches) * cfg.seq_len // dims.cp
+    dtype = resolve_dtype(cfg.dtype, torch.device("cuda"))
+    spec = kernel_contracts.contract_spec(mcfg, dims, cfg.fp8, cfg.fp8_block, tokens, dtype, native)
+    if not spec["fp8"] and not spec["experts"]:
+        return
+    try:
+        failures = kernel_contracts.run_fake_cuda_check(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise ConfigError(failures[0] + more)
 
 
 def check_fits(cfg: TrainConfig, world_size: int) -> None:

@@ -94,13 +94,20 @@ def grouped_mm_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, device_type: st
     return dtype if dtype == torch.bfloat16 and aligned else None
 
 
+def grouped_mm_choice(x_dtype: torch.dtype, w_dtype: torch.dtype, device_type: str,
+                      autocast_dtype: torch.dtype | None, widths: tuple[int, ...]) -> torch.dtype | None:
+    """`grouped_mm_dtype` with the rows' alignment judged in the dtype the GEMMs run in (bf16 rows of an fp32
+    model under autocast are half as many bytes): `widths` are the operands' row lengths (d_model, d_expert)."""
+    dtype = grouped_mm_dtype(x_dtype, w_dtype, device_type, autocast_dtype)
+    aligned = dtype is not None and all(n * dtype.itemsize % 16 == 0 for n in widths)
+    return dtype if aligned else None
+
+
 def grouped_mm_operand_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
-    """`grouped_mm_dtype` of these operands under the autocast state of their device (None: the loop)."""
+    """`grouped_mm_choice` of these operands under the autocast state of their device (None: the loop)."""
     device = x.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    size = torch.finfo(torch.bfloat16).bits // 8  # the rows' strides as bf16 operands have them
-    aligned = all(n * size % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
-    return grouped_mm_dtype(x.dtype, w.dtype, device, autocast, aligned)
+    return grouped_mm_choice(x.dtype, w.dtype, device, autocast, (x.shape[-1], w.shape[-1]))
 
 
 def grouped_mm_works(x: torch.Tensor, w: torch.Tensor) -> bool:

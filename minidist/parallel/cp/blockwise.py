@@ -110,15 +110,22 @@ def _mask(seen: torch.Tensor | str, q_len: int, device: torch.device) -> torch.T
     return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril() if seen == "causal" else None
 
 
+def flash_cuda_fits(head_dim: int) -> bool:
+    """FlashAttention-2's CUDA contract on the head size: a multiple of 8, at most 256. Written by hand: torch's
+    fake (meta) check of `_scaled_dot_product_flash_attention` accepts 12 and 264, the kernel refuses them."""
+    return head_dim % 8 == 0 and head_dim <= 256
+
+
 def block_kernel(device_type: str, dtype: torch.dtype, d_qk: int, d_v: int, masked: bool) -> str:
     """Which kernel attends one block: "flash_cpu" (torch's CPU flash kernel, any float dtype), "flash_cuda"
-    (FlashAttention-2 on CUDA: bf16/fp16 inputs, head size <= 256) or "einsum" (the reference: any device, dtype,
-    mask, and MLA's unequal head sizes). `masked`: a mask beyond the causal triangle (fused kernels take none)."""
+    (FlashAttention-2 on CUDA: bf16/fp16 inputs, `flash_cuda_fits` head sizes) or "einsum" (the reference: any
+    device, dtype, mask, and MLA's unequal head sizes). `masked`: a mask beyond the causal triangle (fused kernels
+    take none)."""
     if masked or d_qk != d_v:
         return "einsum"
     if device_type == "cpu":
         return "flash_cpu"
-    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and d_qk <= 256:
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flash_cuda_fits(d_qk):
         return "flash_cuda"
     return "einsum"
 
