@@ -84,12 +84,19 @@ class HostReads(_Steps):
 
     def __init__(self) -> None:
         super().__init__()
-        self.host: weakref.WeakSet = weakref.WeakSet()
+        self.host: dict[int, weakref.ref] = {}  # by id: a tensor's == is element-wise
+
+    def add_host(self, tensor: torch.Tensor) -> None:
+        self.host[id(tensor)] = weakref.ref(tensor)
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        ref = self.host.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def _blocking_copy(self, args: tuple, kwargs: dict) -> bool:
         device = target_device(args, kwargs)
         blocking = not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2] is True)
-        return device is not None and blocking and (args[0].device != device or args[0] in self.host)
+        return device is not None and blocking and (args[0].device != device or self.on_host(args[0]))
 
     def __enter__(self) -> HostReads:
         from minidist.train import metrics
@@ -125,7 +132,9 @@ class HostReads(_Steps):
 
 
 SHAPE_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-                       "unique_dim", "bincount", "histc", "masked_scatter", "_local_scalar_dense"})
+                       "unique_dim", "bincount", "histc", "masked_scatter"})
+# Not `_local_scalar_dense` (`.item()`): a read of a host tensor waits for nothing (torch's AdamW reads its step
+# counters, kept on the host); the package's reads are the "read" sites, whatever tensor they read.
 
 
 def sizes_from_values(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -182,7 +191,8 @@ def count_run(cfg: Any, ops: bool = True) -> dict[str, Any]:
     def on_host(make: Callable) -> Callable:
         def made(*args: Any, **kwargs: Any) -> Any:
             out = make(*args, **kwargs)
-            reads.host.update(out if isinstance(out, tuple) else (out,))
+            for tensor in out if isinstance(out, tuple) else (out,):
+                reads.add_host(tensor)
             return out
 
         return made
