@@ -43,10 +43,11 @@ case "$GPUS" in ""|[0-9]|[0-9][0-9]) ;; *) echo "error: --gpus must be a GPU cou
 if [ -n "$GPUS" ] && [ "$DRY" = 0 ]; then echo "error: --gpus is for --dry-run (a plan for N GPUs)" >&2; exit 2; fi
 OUT="${OUT:-$(mktemp -d)}"
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
-if [ -z "$GPUS" ]; then
+if [ "$DEVICE" = cpu ]; then
+  GPUS=0
+elif [ -z "$GPUS" ]; then
   GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 fi
-[ "$DEVICE" = cpu ] && GPUS=0
 # A cold compile cache, the same on every run: a first run on a fresh node is what the budgets are for.
 export TORCHINDUCTOR_CACHE_DIR="$OUT/inductor-cache" TRITON_CACHE_DIR="$OUT/triton-cache"
 ONE_GPU_BUDGET=480
@@ -81,7 +82,8 @@ launch() {  # launch NPROC ARGS...: the trainer on NPROC processes of this node
   "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" -m minidist.train "$@"
 }
 
-TINY=(--model tiny --set model.n_layers=4 --set model.d_model=64 --set model.d_ff=128 --set model.max_seq_len=64
+LAYERS=2 && [ "$DEVICE" = cuda ] && LAYERS=4  # zbv's V: 2 chunks on each of 2 pipeline ranks; a CPU keeps CI short
+TINY=(--model tiny --set model.n_layers=$LAYERS --set model.d_model=64 --set model.d_ff=128 --set model.max_seq_len=64
       --max-bytes 200000 --batch-size 8 --seq-len 64 --steps 5 --warmup-steps 1 --eval-every 0 --ckpt-every 0
       --log-every 5 --no-plot --dtype fp32 --peak-flops 1e12 --no-compile)
 MOE=(--set "model.moe={n_experts=4, top_k=2, capacity_factor=2.0}")
