@@ -182,7 +182,7 @@ class ExpertParallelExperts(Experts):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = all_to_all(y[inverse], self.comm, recv, send)
-        return torch.cat([back[:start], own, back[start:]] + ([tail * 0] if padded else []))
+        return torch.cat([back[:start], own, back[start:]] + ([torch.zeros_like(tail)] if padded else []))
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
