@@ -1,4 +1,5 @@
-"""Host reads of tensor values and aten operators per training step, by layout, counted on the CPU.
+"""Host reads, blocking copies, stream syncs, data-sized operators and aten operators per training step, by layout,
+counted on the CPU.
 
     .venv/bin/python bench/syncs.py [--steps 8] [--log-every 4] [--no-ops]
 
@@ -14,7 +15,15 @@ The aten count leaves out views (no kernel) and runs under a dispatch mode (slow
 CPU the non-finite guard (`minidist.parallel.skip_step`) reads its flag once per step (the unfused AdamW cannot take
 it on the device; a CPU read waits for nothing): 1 read; CUDA's fused AdamW takes it as found_inf, with no read.
 
-Last line: JSON {layout: {"reads": .., "log_reads": .., "ops": .., "sites": {site: reads on a non-logging step}}}.
+Beside the reads (`minidist.debug.host_reads`): "copies", the package's `.to(device)` calls without non_blocking
+that copy (or whose source lives on the host on any machine: the sampler's rows), each a stream sync on CUDA
+(pinned memory with non_blocking is none); "syncs", stream and device synchronizations (torch.cuda's, and the
+trainer's own `metrics.synchronize`, a no-op here); "shape", aten operators whose output size depends on tensor
+values (nonzero, boolean indexing, repeat_interleave without output_size, ...: a host read of a size on CUDA,
+whoever calls it; counted with the operators, so not under --no-ops). Each is the most over the non-logging steps.
+
+Last line: JSON {layout: {"reads": .., "log_reads": .., "copies": .., "syncs": .., "shape": .., "ops": ..,
+"sites": {site: count on a non-logging step}}}.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ def summarize(counts: dict) -> dict:
     return {"reads": max((counts["reads"][s] for s in quiet), default=0),
             "log_reads": max((counts["reads"][s] for s in logging if s > 0), default=0),
             "ops": max((counts["ops"][s] for s in quiet), default=0),
+            **{kind: max((counts[kind][s] for s in quiet), default=0) for kind in ("copies", "syncs", "shape")},
             "log_ops": max((counts["ops"][s] for s in logging if s > 0), default=0),
             "sites": counts["sites"][worst] if worst is not None else {}}
 
@@ -86,7 +96,8 @@ def main() -> None:
     bench_module = importlib.import_module(Path(__file__).stem)
     results = {}
     print(f"torch {torch.__version__}; {args.steps} steps, logging every {args.log_every} (and the first, the last)")
-    print(f"{'layout':<18} {'reads/step':>10} {'log step':>9} {'aten ops/step':>14} {'log step':>9}")
+    print(f"{'layout':<18} {'reads/step':>10} {'log step':>9} {'copies':>7} {'syncs':>6} {'shape':>6} "
+          f"{'aten ops/step':>14} {'log step':>9}")
     with tempfile.TemporaryDirectory() as root:
         for name, (world, model, layout) in LAYOUTS.items():
             out = str(Path(root) / name.replace(" ", "_"))
@@ -96,8 +107,9 @@ def main() -> None:
             else:
                 counts = rank_counts(*run)
             results[name] = summary = summarize(counts)
-            print(f"{name:<18} {summary['reads']:>10} {summary['log_reads']:>9} {summary['ops']:>14} "
-                  f"{summary['log_ops']:>9}")
+            shape = summary["shape"] if not args.no_ops else "-"
+            print(f"{name:<18} {summary['reads']:>10} {summary['log_reads']:>9} {summary['copies']:>7} "
+                  f"{summary['syncs']:>6} {shape:>6} {summary['ops']:>14} {summary['log_ops']:>9}")
             for site, n in sorted(summary["sites"].items()):
                 print(f"    {n:>3}  {site}")
     print(json.dumps(results))

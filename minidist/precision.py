@@ -9,7 +9,9 @@ Micikevicius et al. 2018, Mixed Precision Training, §3.1). The losses are compu
 logits). bf16 has fp32's exponent range, so no loss scaling is needed (Kalamkar et al. 2019).
 
 fp32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation), the choice
-`torch.set_float32_matmul_precision("high")` makes, but set on the CUDA backend only: a CPU keeps exact fp32.
+`torch.set_float32_matmul_precision("high")` makes. It is set through that call, not through the per-backend
+`fp32_precision` switches alone: inductor reads `torch.get_float32_matmul_precision()`, which raises on a mix of the
+two APIs. The call also sets oneDNN's CPU matmuls to TF32; that one switch is put back, so a CPU keeps exact fp32.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 
 def configure_matmuls(device: torch.device) -> None:
-    """Allow TF32 for fp32 matmuls and convolutions on CUDA; leave CPU settings alone (a CPU has no TF32)."""
+    """Allow TF32 for fp32 matmuls and convolutions on CUDA (cuBLAS and cuDNN); leave CPU settings alone: a run
+    on a CPU changes nothing, and a CUDA run keeps its CPU matmuls (oneDNN's) in exact fp32."""
     if device.type == "cuda":
-        # torch >= 2.9 spells it fp32_precision (mixing it with the older allow_tf32 flags is an error there).
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        cpu = torch.backends.mkldnn.matmul.fp32_precision
+        torch.set_float32_matmul_precision("high")  # both APIs agree: get_float32_matmul_precision() answers
+        torch.backends.mkldnn.matmul.fp32_precision = cpu
 
 
 def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

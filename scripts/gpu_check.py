@@ -3,7 +3,8 @@
     python scripts/gpu_check.py probes DEVICE              env, sdpa and comm in one process
     python scripts/gpu_check.py env                        torch, CUDA, GPUs; the package's torch check
     python scripts/gpu_check.py sdpa DEVICE                which attention kernels run here, checked and timed
-    python scripts/gpu_check.py comm DEVICE                a world-1 process group (NCCL on cuda) through Comm
+    python scripts/gpu_check.py comm DEVICE                real collectives through torch.distributed (NCCL on cuda):
+                                                           world 1, or one process per GPU under torchrun
     python scripts/gpu_check.py compare REF OTHER ATOL     two runs' per-step losses agree within ATOL
     python scripts/gpu_check.py summary RUN_DIR LABEL      tokens/s, MFU and peak memory of a finished run
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 if sys.argv[1:2] in (["env"], ["sdpa"], ["comm"], ["probes"]):  # compare and summary read JSON: no torch import
@@ -25,7 +28,6 @@ if sys.argv[1:2] in (["env"], ["sdpa"], ["comm"], ["probes"]):  # compare and su
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from minidist.comm.communicator import Comm
     from minidist.comm.torch_support import check_torch
 
 
@@ -86,28 +88,58 @@ def _time(fn, device: str, reps: int = 5) -> float:
 
 
 def comm(device: str) -> int:
-    """A process group of one (NCCL on cuda, gloo on cpu) and every collective kind the package uses, through Comm:
-    the backend initialises, takes this device's tensors and returns the right values."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=60),
-                            device_id=dev if device == "cuda" else None)
+    """A real collective of every kind the package uses, through torch.distributed itself (minidist's Comm makes a
+    group of one rank the identity, so it would test only the initialisation). Under torchrun, one process per GPU
+    (WORLD_SIZE > 1); alone, a group of one, which NCCL still runs as kernels on the GPU. Values checked on the
+    host after a synchronize: each rank contributes rank + 1."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    dev = torch.device(device, int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60), device_id=dev if device == "cuda" else None)
     try:
-        c = Comm(name="world", expect_device=dev)
-        x = torch.arange(8, dtype=torch.float32, device=dev)
-        results = {"all_reduce": c.all_reduce(x.clone()), "all_gather": c.all_gather(x),
-                   "reduce_scatter": c.reduce_scatter(x), "all_to_all": c.all_to_all(x),
-                   "broadcast": c.broadcast(x.clone())}
-        c.barrier(dev)
-        bad = [op for op, y in results.items() if y.device != dev or not torch.equal(y, x)]
-        print(f"comm {dist.get_backend()} world 1 on {dev}: {'ok' if not bad else 'WRONG ' + ', '.join(bad)} "
-              f"({', '.join(results)}, barrier)")
+        checked, bad = _collectives(dev, rank, world)
+        verdict = "ok" if not bad else "WRONG " + ", ".join(bad)
+        if rank == 0 or bad:
+            print(f"comm {dist.get_backend()} world {world} on {device}: {verdict} (rank {rank}; "
+                  f"{', '.join(checked)}, barrier: torch.distributed's own collectives)")
         return 1 if bad else 0
     finally:
         dist.destroy_process_group()
+
+
+def _collectives(dev: torch.device, rank: int, world: int) -> tuple[list[str], list[str]]:
+    """Each collective on `dev`: the names of those run, and of those whose result is wrong."""
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the 2.11 names used here
+    x = torch.full((4 * world,), float(rank + 1), device=dev)
+    total = world * (world + 1) / 2
+    every = torch.arange(1, world + 1, dtype=torch.float32, device=dev)
+    out = {"all_reduce": x.clone(), "all_gather": torch.empty(4 * world * world, device=dev),
+           "reduce_scatter": torch.empty(4, device=dev), "broadcast": x.clone(), "all_to_all": torch.empty_like(x)}
+    dist.all_reduce(out["all_reduce"])
+    dist.all_gather_into_tensor(out["all_gather"], x)
+    dist.reduce_scatter_tensor(out["reduce_scatter"], x)
+    dist.broadcast(out["broadcast"], src=0)
+    dist.all_to_all_single(out["all_to_all"], x)
+    want = {"all_reduce": torch.full_like(x, total), "all_gather": every.repeat_interleave(4 * world),
+            "reduce_scatter": torch.full((4,), total, device=dev), "broadcast": torch.ones_like(x),
+            "all_to_all": every.repeat_interleave(4)}
+    if world > 1:  # a ring of point-to-point messages, posted together (NCCL's matching order)
+        got = torch.empty(4, device=dev)
+        ops = [dist.P2POp(dist.irecv, got, (rank - 1) % world),
+               dist.P2POp(dist.isend, x[:4].clone(), (rank + 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        out["send/recv"], want["send/recv"] = got, torch.full((4,), float((rank - 1) % world + 1), device=dev)
+    dist.barrier(device_ids=[dev.index] if dev.type == "cuda" else None)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return list(out), [op for op, y in out.items() if y.device != dev or not torch.equal(y, want[op])]
 
 
 def probes(device: str) -> int:

@@ -145,3 +145,49 @@ def test_each_rank_writes_its_own_file(tmp_path):
         assert torch.equal(read_rank(root, 10, rank)["shard"], torch.full((2,), float(rank)))
     # meta.json records each rank's size and SHA-256
     assert sorted(checkpoint.load_meta(root, 10)["files"]) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+
+
+class _VisibleGpus:
+    """torch.cuda's generator calls on a node that shows `count` GPUs, modelled on the CPU: each device's state is
+    its own tensor; a device index past what is visible raises as CUDA does."""
+
+    def __init__(self, count: int) -> None:
+        self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
+        self.touched: list[int] = []
+
+    def _index(self, device) -> int:
+        index = torch.device(device).index
+        if index >= len(self.states):
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        self.touched.append(index)
+        return index
+
+    def get_rng_state(self, device) -> torch.Tensor:
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, state, device) -> None:
+        self.states[self._index(device)] = state.clone()
+
+    def current_device(self) -> int:
+        return 0
+
+
+def test_cuda_generators_resume_where_fewer_gpus_are_visible():
+    """A rank saves its own GPU's generator only (not the 8 visible: that makes a context on each), and puts it back
+    on the device it computes on now, here cuda:1 of a 2-GPU node; a checkpoint written before (every visible
+    GPU's state) gives the rank its device's."""
+    from minidist.train.run_state import rng_state, set_rng_state
+
+    node8 = _VisibleGpus(8)
+    node8.states[3] = torch.tensor([42], dtype=torch.uint8)
+    saved = rng_state(torch.device("cuda", 3), cuda=node8)
+    assert node8.touched == [3] and [int(s) for s in saved["cuda"]] == [42]
+    node2 = _VisibleGpus(2)
+    set_rng_state(saved, torch.device("cuda", 1), cuda=node2)
+    assert node2.touched == [1] and int(node2.states[1]) == 42 and int(node2.states[0]) == 0
+    old = {**saved, "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(8)]}  # every visible GPU's
+    set_rng_state(old, torch.device("cuda", 1), cuda=node2)
+    assert int(node2.states[1]) == 1
+    assert rng_state(torch.device("cpu"), cuda=node8)["cuda"] is None and node8.touched == [3]
+    set_rng_state(saved, torch.device("cpu"), cuda=node2)  # a CPU run touches no GPU
+    assert node2.touched == [1, 1]

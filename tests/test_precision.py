@@ -43,17 +43,29 @@ def test_auto_is_bf16_on_cuda_and_fp32_on_cpu():
     assert "\n" not in str(info.value)
 
 
-def test_tf32_is_set_only_for_cuda():
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    before = matmul.fp32_precision, conv.fp32_precision
+def test_tf32_is_set_only_for_cuda_and_both_precision_apis_answer():
+    """TF32 on CUDA through torch.set_float32_matmul_precision: the legacy getter inductor calls still answers
+    (setting only the per-backend switches makes it raise), and the CPU's oneDNN matmuls stay exact fp32."""
+    backends = torch.backends
+    switches = (backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn, backends.mkldnn.matmul)
+    before = torch.get_float32_matmul_precision(), [s.fp32_precision for s in switches]
+    a, b = torch.randn(64, 96, dtype=torch.float64), torch.randn(96, 48, dtype=torch.float64)
+    exact = (a.float() @ b.float()).double()
     try:
-        matmul.fp32_precision = conv.fp32_precision = "ieee"
+        torch.set_float32_matmul_precision("highest")
         precision.configure_matmuls(torch.device("cpu"))
-        assert (matmul.fp32_precision, conv.fp32_precision) == ("ieee", "ieee")
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert (backends.cuda.matmul.fp32_precision, backends.mkldnn.matmul.fp32_precision) == ("ieee", "ieee")
         precision.configure_matmuls(torch.device("cuda", 0))
-        assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "tf32")
+        assert torch.get_float32_matmul_precision() == "high"
+        assert (backends.cuda.matmul.fp32_precision, backends.cudnn.conv.fp32_precision) == ("tf32", "tf32")
+        assert backends.mkldnn.matmul.fp32_precision == "ieee"  # the CPU's, as it was
+        assert torch.equal((a.float() @ b.float()).double(), exact)
+        assert ((exact - a @ b).abs().max() / (a @ b).abs().max()) < 1e-6  # fp32, not a 10-bit-mantissa product
     finally:
-        matmul.fp32_precision, conv.fp32_precision = before
+        torch.set_float32_matmul_precision(before[0])
+        for switch, value in zip(switches, before[1]):
+            switch.fp32_precision = value
 
 
 def test_bf16_computes_in_bf16_and_keeps_fp32_master_weights_and_state():

@@ -1,14 +1,24 @@
 """The rank grid: validation, coordinates, and process groups equal to torch's DeviceMesh for the same shape."""
 
 import itertools
+import types
 
 import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from minidist.comm import topology as topology_module
 from minidist.comm.communicator import Comm
 from minidist.comm.launch import run_ranks
-from minidist.comm.topology import GROUP_NAMES, ParallelDims, Topology, coordinates, group_ranks, rank_grid
+from minidist.comm.topology import (
+    GROUP_NAMES,
+    ParallelDims,
+    Topology,
+    coordinates,
+    group_ranks,
+    planned_groups,
+    rank_grid,
+)
 
 # (pp, dp, cp, tp, ep) layouts; each must use all ranks.
 # Each launch checks a few layouts against DeviceMesh (each layout costs ~1 s of group creation on 8 ranks); the
@@ -126,6 +136,45 @@ def test_world_size_one_has_no_groups_and_identity_comms() -> None:
     assert comm.ledger.bytes() == 0 and comm.ledger.calls() == 2
 
 
+# --- which process groups a Topology creates ------------------------------------------------------------------
+
+
+def _created_groups(monkeypatch, dims: ParallelDims, rank: int = 0) -> tuple[list[list[int]], Topology]:
+    """The rank sets `Topology` passes to `dist.new_group` on `rank`, in a world faked for it (no processes)."""
+    made: list[list[int]] = []
+    world = object()
+
+    def new_group(ranks, timeout=None):
+        made.append(list(ranks))
+        return ("group", tuple(ranks))
+
+    fake = types.SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda group=None: dims.world_size,
+                                 new_group=new_group, group=types.SimpleNamespace(WORLD=world))
+    monkeypatch.setattr(topology_module, "dist", fake)
+    return made, Topology(dims, rank, dims.world_size)
+
+
+@pytest.mark.parametrize(("shape", "groups"), [
+    ((1, 8, 1, 1, 1), 0),  # dp8: every group is the world (dp, dp_cp, edp) or one rank (tp, pp, cp, ep, tied)
+    ((1, 2, 1, 2, 1), 4),  # dp2 tp2: two tp pairs, two dp pairs (dp_cp and edp are the dp pairs)
+    ((4, 4, 1, 8, 1), 112),  # 128 GPUs, pp4 dp4 tp8: 16 tp groups of 8, 32 dp of 4, 32 pp of 4, 32 tied ends pairs
+    ((2, 2, 2, 1, 2), 14),  # pp2 dp2 cp2 ep2: pp 4 (= tied), dp 4, cp 4, dp_cp 2 (ep = cp, edp = dp)
+])
+def test_only_distinct_groups_of_two_or_more_ranks_are_created(monkeypatch, shape, groups) -> None:
+    """Before: every group of every dimension (44 in a dp8 job, 497 for pp4 dp4 tp8): singletons, and one rank set
+    made again for each dimension that spans it. Now one communicator per distinct rank set, none for one rank."""
+    dims = _dims(shape)
+    for rank in (0, dims.world_size - 1):
+        made, topology = _created_groups(monkeypatch, dims, rank)
+        assert made == planned_groups(dims) and len(made) == groups, (shape, rank)
+        assert len({tuple(r) for r in made}) == len(made) and all(1 < len(r) < dims.world_size for r in made)
+        for name in GROUP_NAMES:  # every dimension's group is the one made for its ranks, the world's, or none
+            ranks, group = topology.ranks(name), topology.group(name)
+            want = None if len(ranks) == 1 else topology_module.dist.group.WORLD if len(ranks) == dims.world_size else \
+                ("group", tuple(ranks))
+            assert group == want, (shape, rank, name)
+
+
 # --- real groups against torch's DeviceMesh ----------------------------------------------------------------------
 
 
@@ -145,7 +194,10 @@ def compare_with_device_mesh(shapes: list[tuple[int, ...]]) -> list[dict]:
         for mesh in meshes:
             for name in mesh.mesh_dim_names:
                 theirs[name] = (dist.get_process_group_ranks(mesh.get_group(name)), mesh.get_local_rank(name))
-                ours[name] = (dist.get_process_group_ranks(topology.group(name)), topology.coord(name))
+                group = topology.group(name)  # none for a group of one: it needs no communicator
+                ours[name] = (topology.ranks(name) if group is None else dist.get_process_group_ranks(group),
+                              topology.coord(name))
+                assert (group is None) == (topology.size(name) == 1), (name, shape)
         # The groups work: summing the global ranks over each group gives the sum of its members.
         sums = {}
         for name in GROUP_NAMES:

@@ -164,8 +164,10 @@ class Comm:
     """A process group plus a ledger. Peers (`src`, `dst`, `peer`) are ranks *within this group*.
 
     `group=None` means the default (world) group when torch.distributed is initialised, and a single rank when it
-    is not; a single-rank Comm makes every collective the identity without touching torch.distributed. Every
-    collective returns its output tensor, or with `async_op=True` a `Handle` whose `wait()` returns it.
+    is not; a single-rank Comm makes every collective the identity without touching torch.distributed. `solo_rank`
+    (with no group): a group of this one rank, global rank `solo_rank`, that needs no process group (a `Topology`
+    makes no communicator for a group of one). Every collective returns its output tensor, or with `async_op=True`
+    a `Handle` whose `wait()` returns it.
 
     Device and dtype check: with `expect_device` (and `expect_dtypes`), or inside `with comm.expecting(device,
     dtypes):`, every tensor handed to a collective or point-to-point call must live on that device with one of those
@@ -179,11 +181,16 @@ class Comm:
 
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None,
                  name: str | None = None, *, expect_device: torch.device | str | None = None,
-                 expect_dtypes: Iterable[torch.dtype] | None = None, recorder: FlightRecorder | None = None) -> None:
+                 expect_dtypes: Iterable[torch.dtype] | None = None, recorder: FlightRecorder | None = None,
+                 solo_rank: int | None = None) -> None:
         self.ledger = ledger if ledger is not None else Ledger()
         self.expect_device = torch.device(expect_device) if expect_device is not None else None
         self.expect_dtypes = frozenset(expect_dtypes) if expect_dtypes is not None else None
-        if dist.is_available() and dist.is_initialized():
+        if solo_rank is not None:
+            if group is not None:
+                raise ValueError("solo_rank is a group of one without a process group; pass no group with it")
+            self.group, self.ranks, self.rank = None, [solo_rank], 0
+        elif dist.is_available() and dist.is_initialized():
             self.group = group if group is not None else dist.group.WORLD
             if self.group == dist.GroupMember.NON_GROUP_MEMBER:
                 raise ValueError("this rank is not a member of the group; build a Comm only on the group's members")

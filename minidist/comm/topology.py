@@ -141,12 +141,27 @@ def group_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
     return sorted(sorted(row) for row in rows.tolist())
 
 
+def planned_groups(dims: ParallelDims) -> list[list[int]]:
+    """The rank sets a `Topology` creates with `dist.new_group`, in the order every rank creates them: each distinct
+    set of two or more ranks among the grid's groups, but every rank's (the default group serves it). A dp8 job
+    needs none; a group of one rank would be a communicator that never talks, and two dimensions spanning the same
+    ranks (dp and dp_cp when cp is 1) one communicator twice (on NCCL each costs GPU memory and start-up time)."""
+    world = list(range(dims.world_size))
+    seen: dict[tuple[int, ...], None] = {}
+    for name in GROUP_NAMES:
+        for ranks in group_ranks(dims, name):
+            if len(ranks) > 1 and ranks != world:
+                seen.setdefault(tuple(ranks))
+    return [list(ranks) for ranks in seen]
+
+
 class Topology:
     """One rank's view of the grid: its coordinates and the process group of every dimension.
 
     Construction is collective: every rank must build its Topology with the same `dims`, because each
-    `dist.new_group` call must be made by all ranks in the same order. With world_size 1 no process group is
-    created (`group()` returns None and `minidist.comm.communicator.Comm` treats the group as a single rank).
+    `dist.new_group` call must be made by all ranks in the same order. Only the groups of `planned_groups` are
+    created; a group of one rank has none (`group()` returns None and its `Comm` is the identity), and with
+    world_size 1 no process group exists at all.
     `timeout`: how long any collective of the groups made here may wait for a peer before it raises (None: torch's
     default, 30 min under gloo, 10 under NCCL); the world group's is set where it is created (`init_process_group`).
     `recorder`: the flight recorder every `comm()` records into (None: no recording).
@@ -171,19 +186,16 @@ class Topology:
         self.rank = rank
         self.world_size = world_size
         self.coords = coordinates(dims, rank)
-        self._ranks: dict[str, list[int]] = {}
-        self._groups: dict[str, dist.ProcessGroup | None] = {}
-        for name in GROUP_NAMES:
-            for ranks in group_ranks(dims, name):
+        self._ranks: dict[str, list[int]] = {r: next(g for g in group_ranks(dims, r) if rank in g) for r in GROUP_NAMES}
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        if world_size > 1:
+            made[tuple(range(world_size))] = dist.group.WORLD
+            for ranks in planned_groups(dims):  # collective: every rank, members or not, in one agreed order
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
-                    self._ranks[name] = ranks
-                # Every rank calls new_group for every group, members or not, in one agreed order.
-                if world_size > 1:
-                    group = dist.group.WORLD if name == "world" else dist.new_group(ranks, timeout=timeout)
-                    if rank in ranks:
-                        self._groups[name] = group
-                else:
-                    self._groups[name] = None
+                    made[tuple(ranks)] = group
+        # A group of one needs no communicator (its Comm is the identity); equal rank sets share one.
+        self._groups = {name: made.get(tuple(ranks)) for name, ranks in self._ranks.items()}
         # After the grid's groups, in the same order on every rank (new_group is collective).
         self._checkpoint_group = dist.new_group(list(range(world_size)), timeout=ckpt_timeout) \
             if world_size > 1 and ckpt_timeout is not None else self._groups["world"]
@@ -196,7 +208,8 @@ class Topology:
         return cls(dims, 0, 1)
 
     def group(self, name: str) -> dist.ProcessGroup | None:
-        """The process group of dimension `name` that contains this rank (None when world_size is 1)."""
+        """The process group of dimension `name` that contains this rank (None for a group of one rank: no
+        communicator; the world's when the group spans every rank)."""
         self._check(name)
         return self._groups[name]
 
@@ -216,7 +229,9 @@ class Topology:
 
     def comm(self, name: str, ledger: Ledger | None = None) -> Comm:
         """A `Comm` over this rank's `name` group, recording into `ledger` under the group name `name`."""
-        return Comm(self.group(name), ledger, name=name, recorder=self.recorder, expect_device=self.device)
+        group = self.group(name)
+        solo = self._ranks[name][0] if group is None and self.world_size > 1 else None
+        return Comm(group, ledger, name=name, recorder=self.recorder, expect_device=self.device, solo_rank=solo)
 
     def checkpoint_comm(self) -> Comm:
         """A `Comm` over every rank whose timeout is the checkpoint's (`ckpt_timeout`; the world's without one)."""

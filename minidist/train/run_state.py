@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def save_run(run: Run, steps_done: int) -> None:
     disagree (the first holder's would be kept, silently)."""
     replicas.check_model(run.parallel, f"check before the checkpoint at step {steps_done}")
     pieces, index = reshard.pieces_to_save(run.parallel, run.topo)
-    state = {"rng": rng_state(), "pieces": pieces}
+    state = {"rng": rng_state(run.device), "pieces": pieces}
     if run.env.rank == 0:
         state["run"] = {"schedule": run.schedule.state_dict(), "sampler": run.sampler.state_dict(),
                         "param_groups": optim.group_settings(run.parallel.optimizer)}
@@ -122,7 +123,7 @@ def restore_pieces(run: Run, step_dir: Path, meta: dict, same: bool) -> list[str
         run.sampler.load_state_dict(state["sampler"])
         changed = optim.load_group_settings(run.parallel.optimizer, state["param_groups"])
         reshard.load_pieces(run.parallel, run.topo, reader)
-        set_rng_state(own["rng"])
+        set_rng_state(own["rng"], run.device)
     except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
         lines = str(e).splitlines() or [""]
         where = "" if same else " in its new layout"
@@ -155,16 +156,23 @@ def check_same_data(saved: object, now: dict) -> None:
                          "trained on")
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device, cuda: Any = torch.cuda) -> dict:
+    """This rank's generators: Python's, the CPU's and, on CUDA, its own GPU's only (`cuda`: torch.cuda, or a
+    stand-in for a test). Not every visible GPU's: reading them makes a CUDA context on each, and a node that
+    shows fewer GPUs on resume could not take them back."""
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": [cuda.get_rng_state(device)] if device.type == "cuda" else None}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device, cuda: Any = torch.cuda) -> None:
+    """Put back what `rng_state` saved; the CUDA state goes to this rank's device, whichever index it has now. A
+    checkpoint written before holds every visible GPU's state: this rank's device's is taken from it (by index)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state["cuda"]
+    if device.type == "cuda" and saved:
+        index = device.index if device.index is not None else cuda.current_device()
+        cuda.set_rng_state(saved[0] if len(saved) == 1 else saved[index], device)
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

@@ -20,12 +20,14 @@ types:
 Persistent buffers (model state, e.g. the MoE router bias) are compared over dp_cp, whose ranks run the same
 modules by construction; non-persistent buffers are per-rank scratch (this rank's expert counts) and may differ.
 
-Each rank hashes every tensor to one int64 (the first 8 bytes of a SHA-256 of its bytes), all-gathers the hashes
-over the group through its Comm, and compares: one int64 per tensor per rank travels, never the tensor.
+Each rank hashes every tensor to one int64 on its device (`device_digest`: no copy of the parameters to the host,
+which for an 8B replica would be 32 GB per check), all-gathers the hashes over the group through its Comm, and
+compares them on the host: one int64 per tensor per rank travels, never the tensor, and one small read per group.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -36,7 +38,7 @@ from minidist.comm.communicator import Comm
 from minidist.comm.topology import Topology
 from minidist.parallel import ParallelModel
 from minidist.parallel.placement import placement_of
-from minidist.trust.health import TrainingDiverged, replica_hash
+from minidist.trust.health import TrainingDiverged
 
 
 class ReplicasDiffer(TrainingDiverged):
@@ -52,11 +54,36 @@ class Entry:
     key: int = 0
 
 
+PRIME = 2**31 - 1  # the digest's modulus: a product of two residues fits an int64
+CHUNK_WORDS = 1 << 22  # words hashed per pass: bounds the digest's scratch (a few int64 copies of a chunk)
+
+
+def device_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, with its shape and dtype, as one int64 computed where the tensor lives (0-d, same device).
+
+    Two sums over the tensor's 32-bit words w_i, mod p = 2^31 − 1: Σ w_i·a_i and Σ w_i·b_i, with position weights
+    a_i = i mod (p−1) + 1 and b_i = 65537·i mod (p−1) + 1 (65537 is prime to p−1, so both run over 1..p−1). One
+    flipped bit changes w_i by ±2^j (j < 32), so each sum by ±2^j·a_i mod p, never 0 (p is prime and does not
+    divide 2^j or a_i): a single flipped bit always changes the digest. Integer sums are exact in any order, so
+    replicas with equal bytes get equal digests on any device; for unequal bytes a collision is about 2^-62."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.numel() % 4 or data.storage_offset() % 4:  # whole, aligned words: pad with zero bytes
+        data = torch.cat([data, data.new_zeros(-data.numel() % 4)])
+    words = data.view(torch.int32)
+    sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    for start in range(0, words.numel(), CHUNK_WORDS):
+        w = words[start:start + CHUNK_WORDS].to(torch.int64).bitwise_and_(0xFFFFFFFF).remainder_(PRIME)
+        i = torch.arange(start, start + w.numel(), dtype=torch.int64, device=tensor.device)
+        weights = torch.stack([i, i * 65537]).remainder_(PRIME - 1).add_(1)
+        sums = (sums + (w * weights).remainder_(PRIME).sum(dim=1)).remainder_(PRIME)
+    meta = int.from_bytes(hashlib.sha256(f"{tuple(tensor.shape)}{tensor.dtype}".encode()).digest()[:8]) >> 2
+    return (sums[0] * (PRIME + 1) + sums[1]).bitwise_xor_(meta)  # < 2^62: an int64, folded with shape and dtype
+
+
 def tensor_hash(tensor: torch.Tensor) -> int:
-    """The tensor's bytes (with its shape and dtype) as one signed int64: equal iff the bytes are, barring a
-    2^-64 collision."""
-    value = int(replica_hash([tensor]), 16)
-    return value - (1 << 64) if value >= 1 << 63 else value
+    """`device_digest` read on the host: equal for equal bytes (shape and dtype included), different for any single
+    flipped bit."""
+    return int(device_digest(tensor))
 
 
 def replica_entries(model: nn.Module, params_sharded: bool = False,
@@ -97,8 +124,10 @@ def compare(group: str, entries: list[Entry], comm: Comm) -> None:
     if len(set(counts.tolist())) > 1:
         raise ReplicasDiffer(f"replicas differ over {group}: ranks {comm.ranks} hold {counts.tolist()} tensors "
                              "that should be replicated")
-    mine = [tensor_hash(e.tensor) for e in entries] + [e.key for e in entries]
-    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64, device=comm.device))
+    keys = torch.tensor([e.key for e in entries], dtype=torch.int64, device=comm.device)  # host numbers: one copy
+    mine = torch.cat([torch.stack([device_digest(e.tensor).to(comm.device) for e in entries]), keys]) if entries \
+        else keys
+    rows = comm.all_gather(mine)
     rows = rows.reshape(comm.size, 2 * len(entries)).tolist()
     for i, entry in enumerate(entries):
         classes: dict[int, list[int]] = defaultdict(list)  # slice key -> group ranks holding that slice

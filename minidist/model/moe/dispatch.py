@@ -38,6 +38,7 @@ class DispatchPlan:
     counts: torch.Tensor  # [N] kept slots per expert: the lengths of the contiguous groups
     routed: torch.Tensor  # [N] slots routed to each expert before dropping
     slot: torch.Tensor  # [S] slot id r·T + t (choice rank r, token t) of each kept slot
+    padded: bool = False  # S = T·k: the kept slots first, then the dropped ones (gate 0); see `plan_dispatch`
 
     @property
     def dropped(self) -> int:
@@ -45,7 +46,7 @@ class DispatchPlan:
 
 
 def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None = None,
-                  seq_len: int | None = None) -> DispatchPlan:
+                  seq_len: int | None = None, padded: bool = False) -> DispatchPlan:
     """Group the T·k token-slots by expert with one stable argsort, dropping each expert's overflow per sequence.
 
     `indices` [tokens, k] are sequences of `seq_len` consecutive tokens (default: one sequence). Slots are numbered
@@ -55,6 +56,10 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
 
     Context parallelism (chunks of each sequence per rank) needs one exchange: all-gather every chunk's slot counts
     per (choice rank, expert); start each local run after the higher-priority slots held by the other cp ranks.
+
+    `padded` (the layer's path): keep every slot, the dropped ones after the kept with gate 0. How many slots a
+    capacity keeps is data: selecting them (`order[kept]`) sizes a tensor from a count the host must read, a
+    stream sync on a GPU. The experts then run only the first counts.sum() rows (`Experts.forward(padded=True)`).
     """
     num_tokens, k = indices.shape
     seq_len = seq_len or num_tokens
@@ -68,11 +73,18 @@ def plan_dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
     if capacity is not None:
         sizes = count_values(run, num_experts * sequences)
         position = slots - (sizes.cumsum(0) - sizes)[run[order]]
-        order = order[position < capacity]
+        dropped = position >= capacity
+        if padded:  # the kept first, in their order (a stable sort of the dropped flag): no data-sized tensor
+            order = order[torch.argsort(dropped.to(torch.int8), stable=True)]
+            dropped = dropped.sum() > torch.arange(order.numel() - 1, -1, -1, device=order.device)
+        else:
+            order = order[~dropped]
         counts = sizes.clamp(max=capacity).view(num_experts, sequences).sum(dim=1)
     token = order % num_tokens
     gate = weights.t().reshape(-1)[order]
-    return DispatchPlan(token, gate, counts, routed, order)
+    if capacity is not None and padded:
+        gate = torch.where(dropped, torch.zeros_like(gate), gate)
+    return DispatchPlan(token, gate, counts, routed, order, padded)
 
 
 EXPERT_BACKENDS = ("auto", "loop", "grouped_mm")
@@ -142,22 +154,32 @@ class Experts(nn.Module):
         zero gradients of the full [N, ...] shape; unbind's backward stacks the N pieces once."""
         return list(zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """x [S, d_model] grouped by expert (counts[e] rows for expert e, in order) -> [S, d_model] in x's dtype (the
-        layer sums the k outputs of a token into the residual stream's dtype)."""
+        layer sums the k outputs of a token into the residual stream's dtype). `padded`: x may have rows after the
+        counts.sum() grouped ones (the dropped slots of `plan_dispatch(padded=True)`); their outputs are zeros."""
         dtype = grouped_mm_operand_dtype(x, self.w1) if self.backend != "loop" else None
         if dtype is not None or self.backend == "grouped_mm":
             dtype = dtype or x.dtype
-            xg, w1, w3, w2 = (t.to(dtype) for t in (x, self.w1, self.w3, self.w2))
             offsets = counts.cumsum(0).to(torch.int32)
+            # _grouped_mm leaves the rows past the last offset unwritten (memory as found, NaN included): a
+            # where, not a product, makes them zeros, and the same where zeroes their gradient on the way back.
+            grouped = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(-1) if padded else None
+            x = torch.where(grouped, x, 0) if padded else x
+            xg, w1, w3, w2 = (t.to(dtype) for t in (x, self.w1, self.w3, self.w2))
             h = F.silu(torch._grouped_mm(xg, w1, offs=offsets)) * torch._grouped_mm(xg, w3, offs=offsets)
-            return torch._grouped_mm(h, w2, offs=offsets).to(x.dtype)
-        return self._loop(x, counts)
+            y = torch._grouped_mm(h, w2, offs=offsets).to(x.dtype)
+            return torch.where(grouped, y, 0) if padded else y
+        return self._loop(x, counts, padded)
 
     @torch.compiler.disable  # in a compiled block, run eagerly: each expert's rows are data (a host read)
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """One matmul per expert on its slice. Never traced: the slice sizes come from `counts.tolist()`, and a
         compiled loop specialized on them was a recompile at almost every forward (57 in 10 steps of ep2)."""
+        sizes = counts.tolist()  # the loop sizes each matmul on the host: a read (the grouped_mm path has none)
+        rest = x.shape[0] - sum(sizes) if padded else 0
         # split, not x[a:b] in a loop, for the same reason as unbind: its backward is one concatenation.
-        outputs = [swiglu(xe, *w) for xe, w in zip(x.split(counts.tolist()), self.per_expert()) if xe.shape[0]]
+        pieces = x.split(sizes + [rest] if rest else sizes)
+        outputs = [swiglu(xe, *w) for xe, w in zip(pieces, self.per_expert()) if xe.shape[0]]
+        outputs += [x.new_zeros(rest, self.w2.shape[-1])] if rest else []
         return torch.cat(outputs).to(x.dtype) if outputs else x.new_zeros(0, self.w2.shape[-1])

@@ -67,8 +67,9 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])
         routing = self.route(x)
         capacity = expert_capacity(seq_len, self.n_experts, self.top_k, self.capacity_factor)
-        plan = plan_dispatch(routing.indices, routing.weights, self.n_experts, capacity, seq_len)
-        h = self.experts(x.index_select(0, plan.token), plan.counts)
+        # padded: no tensor sized by how many slots the capacity keeps (a host read of the count on a GPU)
+        plan = plan_dispatch(routing.indices, routing.weights, self.n_experts, capacity, seq_len, padded=True)
+        h = self.experts(x.index_select(0, plan.token), plan.counts, padded=capacity is not None)
         h = h * plan.gate.to(h.dtype).unsqueeze(-1)
         y = x.new_zeros(x.shape).index_add(0, plan.token, h)
         if self.shared is not None:

@@ -124,12 +124,14 @@ def start_all_to_all(x: torch.Tensor, comm: Comm, in_splits: list[int],
     return out, pending[0]
 
 
-def arrival_order(received: torch.Tensor) -> torch.Tensor:
+def arrival_order(received: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """received [ep, E] (rows from each source rank for each local expert, in arrival order: by source, then by
-    expert) -> the permutation that regroups the arrivals by local expert (stable: by source inside an expert)."""
+    expert) -> the permutation that regroups the arrivals by local expert (stable: by source inside an expert).
+    `rows`: received.sum() when the caller knows it (the splits are on the host already): repeat_interleave with
+    repeats in a tensor otherwise reads their sum on the host to size its output, a stream sync on a GPU."""
     n_sources, n_local = received.shape
     expert_of_row = torch.arange(n_local, device=received.device).repeat(n_sources)
-    return torch.argsort(expert_of_row.repeat_interleave(received.flatten()), stable=True)
+    return torch.argsort(expert_of_row.repeat_interleave(received.flatten(), output_size=rows), stable=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class ExpertParallelExperts(Experts):
         self.last_counts: torch.Tensor | None = None
 
     @torch.compiler.disable  # see below
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Never traced by torch.compile (an eager call inside a compiled block): the all-to-all's splits are
         data read on the host, and every row count they give is a new shape; traced, they were recompiles."""
         ep, me, n_local = self.comm.size, self.comm.rank, self.n_experts // self.comm.size
@@ -166,6 +168,8 @@ class ExpertParallelExperts(Experts):
         received = self.comm.all_to_all(by_rank.contiguous())  # [ep, n_local]: row j from rank j
         self.last_counts = counts.detach().clone()
         send, recv = by_rank.sum(1).tolist(), received.sum(1).tolist()  # the splits: a host sync, as in Megatron
+        if padded:  # the dropped slots after the grouped rows do not travel; their outputs are zeros
+            tail, x = x[sum(send):], x[:sum(send)]
         # This rank's own rows for its own experts never travel: they are the contiguous slice [start, stop) of x.
         # Start the exchange of the others, compute the own rows while they travel, then the arrivals.
         start, stop = sum(send[:me]), sum(send[:me + 1])
@@ -174,14 +178,14 @@ class ExpertParallelExperts(Experts):
         own = super().forward(x[start:stop], by_rank[me])
         in_flight.wait()
         received[me] = 0  # the own rows did not arrive: they are `own`
-        order = arrival_order(received)
+        order = arrival_order(received, sum(recv))
         y = super().forward(arrived[order], received.sum(0))
         if y.shape[0] == 0:  # no rows here: stay in the graph, so this rank joins the backward all-to-alls too
             y = arrived * 0
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = all_to_all(y[inverse], self.comm, recv, send)
-        return torch.cat([back[:start], own, back[start:]])
+        return torch.cat([back[:start], own, back[start:]] + ([torch.zeros_like(tail)] if padded else []))
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
