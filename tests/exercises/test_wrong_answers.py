@@ -280,3 +280,13 @@ FRONTIER_WRONG = {
 def test_frontier_grader_names_the_cause(case: str) -> None:
     wrong, hint = FRONTIER_WRONG[case]
     rejects(test_ch15.test_ch15_frontier_split, answers("ch15_zero_bubble", **wrong), hint, torch.tanh)
+
+
+def test_e4m3_cast_saturates_so_a_missing_clamp_cannot_be_graded() -> None:
+    """quantize_e4m3's docstring says the grader cannot see a missing clamp: torch's e4m3 cast saturates by itself.
+    Should that change, a missing clamp becomes visible (inf or NaN), and the grader should grade it."""
+    cast = torch.tensor([1e6, -1e6, float("inf")]).to(E4M3).float().tolist()
+    assert cast == [448.0, -448.0, 448.0], f"torch's e4m3 cast no longer saturates ({cast}): grade the clamp"
+    no_clamp = answers("ch16_mixed_precision", quantize_e4m3=lambda x: (
+        (x * (448.0 / x.abs().max().clamp(min=1e-12))).to(E4M3), 448.0 / x.abs().max().clamp(min=1e-12)))
+    test_ch16.test_ch16_quantize_e4m3(no_clamp)  # passes, as the docstring says
