@@ -75,8 +75,8 @@ def odd_replicas(digests: list[dict[str, str]], groups: list[list[int]]) -> list
 
     The majority decides which copy is right; the ranks holding any other copy are the odd ones. With no strict
     majority (two copies that disagree, or three different copies) no one can tell, and every rank of the group is
-    reported. The learner study's wrong answer compared every rank with the group's first rank: think of the
-    case where that rank is the damaged one.
+    reported. Do not compare every rank with the group's first rank: if that rank is the damaged one, you
+    would blame every healthy rank of the group and clear the culprit.
     """
     raise NotImplementedError("exercise: per group, per name, the majority digest and the ranks that differ")
 

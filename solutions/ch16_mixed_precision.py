@@ -1,12 +1,15 @@
 """Chapter 16 exercises: a saturating e4m3 quantizer with one per-tensor scale; the 1×B / B×B block quantizer and
-its dequantization (DeepSeek-V3's fine-grained scaling); one step of a dynamic loss scaler.
+its dequantization (DeepSeek-V3's fine-grained scaling); the FP8 linear's three GEMMs, each scaled along
+its own contraction; one step of a dynamic loss scaler.
 
 Grade your answers with `make grade CH=16`. The grader checks:
-  - quantize_e4m3: the largest |x| maps to ±448 exactly, x ≈ data / scale, values past the range saturate (never
-    NaN), an all-zero tensor gets a finite scale, the result is torch.float8_e4m3fn;
+  - quantize_e4m3: the largest |x| maps to ±448 exactly, x ≈ data / scale, an all-zero tensor gets a finite
+    scale, the result is torch.float8_e4m3fn;
   - quantize_blocks / dequantize_blocks: the scales' shape (⌈rows/R⌉, ⌈cols/C⌉) on shapes that are not whole
     blocks, each block's own maximum maps to ±448, an outlier degrades only its own block, the round trip is
     within half an e4m3 ulp;
+  - fp8_linear_rowwise: the three GEMMs of an FP8 linear (forward, input gradient, weight gradient), each operand
+    scaled along that GEMM's own contraction axis, against an oracle; a wrong axis is named;
   - loss_scaler_step: an inf or a NaN gradient skips the step, halves the scale and resets the count of clean
     steps; a clean step divides the gradients by the scale (not multiplies); the scale doubles after
     growth_interval clean steps in a row.
@@ -26,8 +29,12 @@ def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e4m3 (4 exponent bits, bias 7, 3 mantissa bits, no infinities) reaches ±448 (chapter 16, §1). Scale the tensor
     so that its largest magnitude lands exactly on 448: scale = 448 / amax, with amax = max |x| (floor it at 1e-12
     so an all-zero tensor does not divide by zero), and keep the scale in fp32. The FP8 data is x · scale, clamped
-    to [-448, 448] before the cast (saturation: a value past the range must become ±448, never NaN), so that
-    x ≈ data.float() / scale.
+    to [-448, 448] before the cast, so that x ≈ data.float() / scale.
+
+    Why clamp, when the largest |x · scale| is 448 by construction? Rounding of the scale can push it a hair past,
+    and a delayed (stale) scale far past. torch 2.13's cast to float8_e4m3fn happens to saturate by itself (1e6 and
+    inf become 448), so the grader cannot tell whether you clamped; the cast to e5m2, or another library's e4m3
+    cast, gives inf or NaN instead. Clamp: it states the intent and does not depend on the cast.
 
     Hints: torch.finfo(torch.float8_e4m3fn).max is 448; clamp, then .to(torch.float8_e4m3fn).
     """
@@ -64,6 +71,24 @@ def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, rows: int, cols:
     Hints: the same spreading of the scales as in quantize_blocks; data.float() before dividing.
     """
     return data.float() / _spread(scales, rows, cols, data.shape)
+
+
+def _rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t quantized to e4m3 with one scale per slice along `dim` (the amax over `dim`), and dequantized."""
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    scale = (limit / t.detach().abs().amax(dim=dim, keepdim=True).double().clamp(min=1e-12)).float()
+    return (t.float() * scale).clamp(-limit, limit).to(torch.float8_e4m3fn).float() / scale
+
+
+def fp8_linear_rowwise(x: torch.Tensor, weight: torch.Tensor,
+                       grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three GEMMs of y = x·Wᵀ, each operand scaled along its GEMM's contraction (see exercises/)."""
+    k, n = weight.shape[1], weight.shape[0]
+    x2, dy2 = x.reshape(-1, k), grad_output.reshape(-1, n)
+    y = _rowwise(x2, 1) @ _rowwise(weight, 1).t()  # contracts over K
+    dx = _rowwise(dy2, 1) @ _rowwise(weight, 0)  # contracts over N
+    dw = _rowwise(dy2, 0).t() @ _rowwise(x2, 0)  # contracts over the M tokens
+    return y.reshape(*x.shape[:-1], n), dx.reshape(x.shape), dw
 
 
 def loss_scaler_step(grads: list[torch.Tensor], scale: float, good_steps: int,

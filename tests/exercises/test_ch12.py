@@ -124,7 +124,8 @@ def _state_hint(part: str, got: float, want: float, dense: int, experts: int, dp
 
 def test_ch12_in_flight_1f1b(impl: str) -> None:
     in_flight = load(impl, MODULE, "in_flight_1f1b")
-    for pp, m in [(2, 4), (4, 8), (4, 2), (3, 5), (1, 3)]:
+    cases = {}  # (pp, m, stage) -> (got, the schedule's peak)
+    for pp, m in [(2, 4), (4, 8), (4, 2), (3, 5), (1, 3), (5, 3)]:
         schedule = build_schedule("1f1b", pp, m)
         for stage in range(pp):
             live = peak = 0
@@ -132,9 +133,28 @@ def test_ch12_in_flight_1f1b(impl: str) -> None:
                 if action.kind in ("F", "B"):
                     live += 1 if action.kind == "F" else -1
                     peak = max(peak, live)
-            got = in_flight(pp, m, stage)
-            assert got == peak, f"pp={pp}, m={m}, stage {stage}: got {got}, the schedule holds {peak}"
+            cases[pp, m, stage] = (in_flight(pp, m, stage), peak)
+    wrong = [(key, got, peak) for key, (got, peak) in cases.items() if got != peak]
+    if wrong:
+        (pp, m, stage), got, peak = wrong[0]
+        answers = {key: got for key, (got, _) in cases.items()}
+        pytest.fail(f"in_flight_1f1b(pp={pp}, m={m}, stage={stage}): got {got}, the 1F1B schedule holds {peak} "
+                    f"({len(wrong)} of {len(cases)} cases wrong)" + _in_flight_cause(answers), pytrace=False)
 
+
+def _in_flight_cause(answers: dict[tuple[int, int, int], int]) -> str:
+    """The likely cause: the plausible wrong formula that gives every one of the learner's answers."""
+    causes = [(lambda pp, m, s: pp - s, " — with fewer micro-batches than stages only m exist: cap the count at m"),
+              (lambda pp, m, s: min(pp - s - 1, m), " — that is the warm-up forwards alone: the steady state's first "
+                                                    "forward runs before the first backward, add 1"),
+              (lambda pp, m, s: min(s + 1, m), " — stages counted from the wrong end: stage 0 (the first) holds the "
+                                               "most"),
+              (lambda pp, m, s: m, " — that is AFAB (GPipe), which holds all m; 1F1B starts backwards after pp − stage "
+                                   "forwards"),
+              (lambda pp, m, s: min(pp, m), " — every stage would hold as many as the first: a later stage starts its "
+                                            "backwards sooner")]
+    return next((hint for formula, hint in causes
+                 if all(formula(*key) == got for key, got in answers.items())), "")
 
 
 # ------------------------------------------------------------------------------------------------------------------

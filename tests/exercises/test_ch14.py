@@ -29,13 +29,20 @@ def test_ch14_first_flagged(impl: str, grads: dict[str, torch.Tensor]) -> None:
     names = list(grads)
     assert first_flagged(dict(grads), grads, tol) is None, "first_flagged: identical gradients must give None"
     got = {name: grads[name].clone() for name in reversed(names)}  # the reference's order decides, not got's
-    last, middle = names[-1], names[len(names) // 2]
-    got[last] = got[last] * 2
-    got[middle] = got[middle] + 0.01 * got[middle].norm() / math.sqrt(got[middle].numel())
+    early, middle, last = names[len(names) // 4], names[len(names) // 2], names[-1]
+    got[early] = got[early] + 0.01 * got[early].norm() / math.sqrt(got[early].numel())  # first in model order
+    got[middle] = got[middle] * 11  # the largest error
+    got[last] = got[last] * 2  # the first in got's (reversed) order
     found = first_flagged(got, grads, tol)
-    assert found is not None and found[0] == middle, f"first_flagged: expected {middle} (model order), got {found}"
-    assert found[1] == pytest.approx(0.01 * grads[middle].norm().item() / grads[middle].norm().item(), rel=1e-3), (
+    hints = {last: " — that is the first in got's order: walk `want`'s order (the model's), not got's",
+             middle: " — that is the largest error: return the first parameter over tol in model order, not the worst"}
+    assert found is not None and found[0] == early, (
+        f"first_flagged: expected {early} (the first over tol in the reference's model order), got {found}"
+        + (hints.get(found[0], "") if found else " — three parameters are off by more than tol"))
+    assert found[1] == pytest.approx(0.01 * grads[early].norm().item() / grads[early].norm().item(), rel=1e-3), (
         f"first_flagged: rel must be ||got - want|| / ||want||, got {found[1]}")
+    got[early] = grads[early].clone()
+    got[middle] = grads[middle].clone()
     del got[middle]
     assert first_flagged(got, grads, tol) == (middle, math.inf), "first_flagged: a missing gradient is (name, inf)"
 

@@ -1,4 +1,5 @@
-"""Grade chapter 15's exercises: the B/W split of a linear, ZB-H1 as data, the V placement.
+"""Grade chapter 15's exercises: the B/W split of a linear, the frontier capture of a block, ZB-H1 as data, the V
+placement.
 
 `pytest tests/exercises -k ch15` grades solutions/ (the default); add `--impl exercises` to grade your own answers.
 The oracles: autograd's fused backward (for the split), the chapter's simulator with `check_complete` and the
@@ -63,7 +64,92 @@ def test_ch15_deferred_weight_linear(impl: str, shape: tuple[int, ...]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. ZB-H1 as data
+# 2. The frontier capture of a block: two linears and a nonlinearity
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Counted(torch.autograd.Function):
+    """An identity whose backward counts its runs: a tensor-parallel all-reduce on the input's path would be here."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.runs += 1
+        return g
+
+
+def _block(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w1, b1 = torch.randn(32, 16, generator=gen) / 4, torch.randn(32, generator=gen)
+    w2, b2 = torch.randn(12, 32, generator=gen) / 6, torch.randn(12, generator=gen)
+    x, dy = torch.randn(8, 16, generator=gen), torch.randn(8, 12, generator=gen)
+    return [w1, b1, w2, b2], x, dy
+
+
+def _block_forward(params: list[torch.Tensor], x: torch.Tensor, act) -> torch.Tensor:
+    w1, b1, w2, b2 = params
+    return torch.nn.functional.linear(_Counted.apply(act(torch.nn.functional.linear(x, w1, b1))), w2, b2)
+
+
+@pytest.mark.parametrize("act", [torch.tanh, torch.nn.functional.gelu], ids=["tanh", "gelu"])
+def test_ch15_frontier_split(impl: str, act) -> None:
+    split_b, split_w = load(impl, MODULE, "frontier_backward_input"), load(impl, MODULE, "frontier_backward_weight")
+    names = ["lin1.weight", "lin1.bias", "lin2.weight", "lin2.bias"]
+    values, x0, dy = _block(15)
+    earlier = [torch.full_like(v, 0.5) for v in values]  # an earlier micro-batch's gradients: W must add to them
+
+    def fresh():
+        params = [v.clone().requires_grad_() for v in values]
+        for p, g in zip(params, earlier):
+            p.grad = g.clone()
+        return params, x0.clone().requires_grad_()
+
+    params, x = fresh()
+    _block_forward(params, x, act).backward(dy)
+    want_dx, want = x.grad, [p.grad for p in params]
+
+    params, x = fresh()
+    out = _block_forward(params, x, act)
+    _Counted.runs = 0
+    dx, captured = split_b(out, dy, x, params)
+    changed = [n for n, p, g in zip(names, params, earlier) if not torch.equal(p.grad, g)]
+    assert not changed, (f"frontier_backward_input: {changed} changed after B — B computes the input's gradient "
+                         "only (autograd.grad for x), the weights' wait for W")
+    assert _Counted.runs == 1, f"frontier_backward_input: the input's path ran {_Counted.runs} times in B, not once"
+    assert dx is not None and torch.equal(dx, want_dx), (
+        "frontier_backward_input: dx differs from the fused backward's — return autograd.grad's gradient of x")
+    try:
+        split_w(captured)
+    except RuntimeError as error:
+        if "second time" in str(error) or "freed" in str(error):
+            pytest.fail("frontier_backward_weight: the graph was freed after B — call autograd.grad in B with "
+                        f"retain_graph=True ({str(error).splitlines()[0][:80]})", pytrace=False)
+        raise
+    wrong = [n for n, p, g in zip(names, params, want) if not torch.equal(p.grad, g)]
+    if wrong:
+        extra = [(p.grad - w).double() for p, w in zip(params, want)]
+        twice = all(torch.allclose(e, (w - g).double(), rtol=1e-4, atol=1e-6) or torch.equal(p.grad, w)
+                    for e, w, g, p in zip(extra, want, earlier, params))
+        hint = (" — the first linear's gradient came twice: one backward call from every frontier with every weight "
+                "as inputs walks from the second linear's frontier down the input's path again; make one backward "
+                "call per frontier node, with only its own branch's weights" if twice and "lin1.weight" in wrong else
+                " — did W add to .grad (an earlier micro-batch's gradient is there), and start from the gradients "
+                "each frontier node received in B?")
+        pytest.fail(f"frontier_backward_weight: {wrong} differ from the fused backward's (bit for bit){hint}",
+                    pytrace=False)
+    assert _Counted.runs == 1, (
+        f"frontier_backward_weight: the counting identity on the input's path ran again in W ({_Counted.runs} runs "
+        "in all, the fused backward runs it once) — start W from the gradients captured at the frontier nodes, "
+        "not from the output: torch.autograd.backward(GradientEdge(node, i), received gradient, inputs=weights)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. ZB-H1 as data
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -133,7 +219,7 @@ def test_ch15_zb1_schedule(impl: str, pp: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. The V placement
+# 4. The V placement
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -47,14 +47,18 @@ def test_ch17_most_frequent_pair_counts(impl: str) -> None:
 
 def test_ch17_most_frequent_pair_breaks_ties_by_ids(impl: str) -> None:
     pick = load(impl, MODULE, "most_frequent_pair")
-    # the ids of merged symbols come after the characters: ("b", "cd") has the smallest ids, not the smallest strings
-    ids = {"a": 0, "b": 1, "c": 2, "d": 3, "cd": 4, "ab": 5}
-    words = {("ab", "c"): 2, ("cd", "a"): 2, ("b", "cd"): 2}
+    # the ids of merged symbols come after the characters: ("b", "cd") has the smallest ids, not the smallest strings;
+    # five pairs tie at 2, placed so that each plausible wrong tie-break picks a different one
+    ids = {"a": 0, "b": 1, "c": 2, "d": 3, "cd": 4, "ab": 5, "dd": 6}
+    words = {("cd", "a"): 2, ("ab", "c"): 2, ("b", "cd"): 2, ("d", "a"): 2, ("dd", "c"): 2}
     got = pick(words, ids)
-    hints = {("ab", "c"): " — that is the smallest pair of strings; compare the symbols' ids, not their text",
-             ("cd", "a"): " — compare the left id first, then the right (a tuple), not their sum"}
-    assert got == ("b", "cd"), (f"most_frequent_pair: three pairs tie at 2; the smallest (ids[left], ids[right]) is "
-                                f"('b','cd') with (1, 4), got {got}{hints.get(got, ' — the first one seen?')}")
+    hints = {("cd", "a"): " — that is the first pair seen: `max(pairs, key=pairs.get)` (Sennrich et al.'s reference "
+                          "code) keeps the first of a tie; the tokenizers trainer takes the smallest ids",
+             ("ab", "c"): " — that is the smallest pair of strings; compare the symbols' ids, not their text",
+             ("d", "a"): " — compare the left id first, then the right (a tuple), not their sum nor the right first",
+             ("dd", "c"): " — that is the largest (ids[left], ids[right]): take the smallest"}
+    assert got == ("b", "cd"), (f"most_frequent_pair: five pairs tie at 2; the smallest (ids[left], ids[right]) is "
+                                f"('b','cd') with (1, 4), got {got}{hints.get(got, '')}")
 
 
 def test_ch17_merge_pair(impl: str) -> None:
