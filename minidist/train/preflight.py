@@ -47,7 +47,10 @@ def preflight(cfg: TrainConfig) -> Preflight:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_fits(cfg, env.world_size)  # before anything loops over layers or allocates
-    layout = resolve_layout(cfg, env.world_size)
+    try:
+        layout = resolve_layout(cfg, env.world_size)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{launch_hint(cfg, env)}") from None
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
         faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
@@ -93,6 +96,19 @@ def memory_capacity(device: str) -> tuple[str, int]:
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return "the GPU", torch.cuda.get_device_properties(0).total_memory
     return "this machine's RAM", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def launch_hint(cfg: TrainConfig, env: DistEnv) -> str:
+    """How to start as many processes as the layout's degrees ask for, when that is not the world size."""
+    wanted = (cfg.dp or 1) * cfg.tp * cfg.pp * cfg.cp
+    if wanted == env.world_size:
+        return ""
+    if env.launcher == "single":
+        return (f"; this is one process: launch the {wanted} this layout needs with "
+                f"torchrun --nproc_per_node={wanted} -m minidist.train ...")
+    if env.launcher == "torchrun" and env.local_world_size == env.world_size:  # one node
+        return f"; this layout needs {wanted} processes: torchrun --nproc_per_node={wanted}"
+    return f"; this layout needs {wanted} processes, the launcher started {env.world_size}"
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:

@@ -68,6 +68,9 @@ def check_out(cfg: TrainConfig) -> None:
     if found and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"--out {cfg.out} already holds a run ({', '.join(found)}); continue it with --resume "
                           "or replace it with --overwrite")
+    if cfg.resume and not found:  # a typo in --out must not silently start over
+        raise ConfigError(f"--resume: --out {cfg.out} holds no run (no {', '.join(RUN_MARKERS)}); check the path, "
+                          "or leave out --resume to start a new run there")
     if found and cfg.resume:
         try:
             step = checkpoint.latest_step(out / "checkpoints")
