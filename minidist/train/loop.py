@@ -404,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(parse_config(argv))
     except ConfigError as e:  # every rank says its own: a node's input may differ (a relative path, its files)
         return _stop(str(e) if isinstance(e, RankConfigError) else _ranked(str(e)), 2)
-    except (reporting.JoinFailed, ShardChanged) as e:
+    except reporting.JoinFailed as e:
+        return _stop(_ranked(str(e)), 1, consequence=True)
+    except ShardChanged as e:
         return _stop(_ranked(str(e)), 1)
     except OSError as e:  # the machine's, not the run's: a full disk while writing a checkpoint or OUT's files
         if e.errno is None and not str(e).startswith("cannot write"):
@@ -413,12 +415,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
         if (line := health.stop_reason(e, _place()[0])) is None:
             raise  # a bug: keep its traceback
-        return _stop(line, 1)
+        return _stop(line, 1, consequence=not isinstance(e, health.TrainingDiverged))
     return 0
 
 
-def _stop(line: str, code: int) -> int:
-    reporting.report(line)
+def _stop(line: str, code: int, consequence: bool = False) -> int:
+    reporting.report(line, consequence=consequence)
     return code
 
 

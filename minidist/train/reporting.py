@@ -39,14 +39,16 @@ def error_record(line: str, now: float | None = None) -> dict:
     return {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}
 
 
-def report(line: str, environ: Mapping[str, str] | None = None) -> None:
-    """Print `error: line` on stderr and, under torchrun, write it to the worker's error file."""
+def report(line: str, environ: Mapping[str, str] | None = None, consequence: bool = False) -> None:
+    """Print `error: line` on stderr and, under torchrun, write it to the worker's error file. A `consequence`
+    (a collective or the rendezvous failed because a peer stopped) is stamped one second later: the agent names the
+    failure with the smallest whole-second stamp as the root cause, and the peer's own error came first."""
     print(f"error: {line}", file=sys.stderr, flush=True)
     path = (os.environ if environ is None else environ).get(ERROR_FILE)
     if path:
         try:  # torchrun's own file in its own directory, written as its handler writes it
             with open(path, "w") as f:
-                json.dump(error_record(line), f)
+                json.dump(error_record(line, time.time() + (1 if consequence else 0)), f)
         except OSError:
             pass  # the line is on stderr already; the summary then says <N/A>
 
