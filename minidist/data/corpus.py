@@ -50,6 +50,9 @@ __all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_S
 
 VOCAB_SIZE = 256  # byte-level
 FILE_SEPARATOR = b"\x1c"  # ASCII FS (file separator), placed between files in a joined corpus
+# A text source is held in memory (one byte per token, and a copy while it is made a tensor): above this many bytes
+# the trainer asks for --max-bytes (its head) or a prepared dataset (read from disk row by row).
+MAX_TEXT_BYTES = 2**30
 
 
 
@@ -263,6 +266,11 @@ def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes
         desc = f"python stdlib at {root}: {split.summary}"
     else:
         split, desc = _load_user_source(source, val_fraction)
+        total = len(split.train) + len(split.val)
+        if max_bytes is None and total > MAX_TEXT_BYTES:  # sizes only: nothing read yet
+            raise ValueError(f"data source {source!r} holds {total:,} bytes, over the {MAX_TEXT_BYTES:,} a text source "
+                             "is read into memory; pass --max-bytes N to train on its head, or prepare it "
+                             "(python -m minidist.data prepare) to train on all of it from disk")
         if max_bytes is not None:
             split, desc = _cap_user_split(split, desc, max_bytes)
 
