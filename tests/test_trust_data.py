@@ -255,10 +255,11 @@ def test_two_prepares_on_one_out_are_one_line(tmp_path, capsys):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text(TEXT)
     out = tmp_path / "ds"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from minidist import out_files; "
-                               f"cm = out_files.locked(__import__('pathlib').Path({str(out)!r}), '.lock'); "
-                               "cm.__enter__(); print('held', flush=True); time.sleep(120)"],
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    out.mkdir()  # another prepare, alive, holding the lock as the trainer's runs hold theirs: "PID HOST"
+    code = (f"import os, socket, time; lock = open({str(out / '.lock')!r}, 'w'); "
+            "lock.write(f'{os.getpid()} {socket.gethostname()}\\n'); lock.close(); print('held', flush=True); "
+            "time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         assert data_main(["prepare", str(tmp_path / "src"), "--out", str(out), "--quiet"]) == 2

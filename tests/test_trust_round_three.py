@@ -187,3 +187,57 @@ def test_main_prints_a_truncated_shard_in_one_line(monkeypatch, capsys):
     assert train.main(["--out", "unused"]) == 1
     assert capsys.readouterr().err == ("error: shard 'D/train_00000.bin' ended at byte 10, before its 100 tokens "
                                        "(shortened since the dataset was opened?)\n")
+
+
+def test_an_inconsistent_slurm_ntasks_on_one_rank_is_that_ranks_line(cli, monkeypatch):  # noqa: F811
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # its peer says 2 tasks; this one 3
+    err = cli(["--batch-size", "4"])
+    assert err == "error: rank 1: batch_size 4 is not divisible by dp*microbatches = 3*1; pick a multiple of 3\n"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# a newcomer's first hour
+
+
+def test_the_readmes_trainer_lines_run_one_after_another():
+    """Each line of the README's trainer block that starts a run writes its own OUT: run after `make train` (which
+    fills configs/default.toml's), none is refused for an OUT that holds a run. Lines that continue a run
+    (--resume) or replace one (--overwrite) are exempt."""
+    import shlex
+    import tomllib
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## The trainer", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    default_out = tomllib.loads((ROOT / "configs" / "default.toml").read_text())["out"]
+    outs = {default_out: "make train"}
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        if "minidist.train" not in words or "--resume" in words or "--overwrite" in words:
+            continue
+        if "--out" in words:
+            out = words[words.index("--out") + 1]
+        elif "--config" in words:
+            out = tomllib.loads((ROOT / words[words.index("--config") + 1]).read_text()).get("out", "runs/tiny")
+        else:
+            out = "runs/tiny"  # TrainConfig's default
+        assert out not in outs, f"{line!r} writes {out}, as {outs[out]!r} did before it"
+        outs[out] = line
+
+
+def test_make_grade_takes_5_as_05_and_lab_runs_as_root():
+    def dry(*args):
+        return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    assert '-k "ch05"' in dry("grade", "CH=5") and '-k "ch12"' in dry("grade", "CH=12")
+    lab = dry("lab").splitlines()[-1]
+    assert "jupyter lab notebooks" in lab
+    shell = subprocess.run(["bash", "-c", f"echo {lab.split('notebooks', 1)[1]}"], capture_output=True, text=True)
+    assert ("--allow-root" in shell.stdout) == (os.geteuid() == 0)
+
+
+def test_the_readmes_outputs_are_ignored_by_git():
+    ignored = subprocess.run(["git", "check-ignore", "data/x", "hf/tiny/config.json", "minidist/data/x.py"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == ["data/x", "hf/tiny/config.json"]  # the package's own data/ stays tracked

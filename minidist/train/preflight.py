@@ -47,10 +47,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_fits(cfg, env.world_size)  # before anything loops over layers or allocates
-    try:
-        layout = resolve_layout(cfg, env.world_size)
-    except ConfigError as e:
-        raise ConfigError(f"{e}{launch_hint(cfg, env)}") from None
+    layout = resolve_layout(cfg, env.world_size, env)
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
         faults.check_fault(cfg.inject_fault, cfg.steps, env.world_size)
@@ -111,7 +108,7 @@ def launch_hint(cfg: TrainConfig, env: DistEnv) -> str:
     return f"; this layout needs {wanted} processes, the launcher started {env.world_size}"
 
 
-def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
+def resolve_layout(cfg: TrainConfig, world_size: int, env: DistEnv | None = None) -> Layout:
     """The layout of this run (the grid's degrees, how each dimension is applied, the recomputation), checked
     against the world size and the model."""
     rest = cfg.tp * cfg.pp * cfg.cp
@@ -123,8 +120,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     try:
         layout = Layout(ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep), options, cfg.recompute)
         layout.dims.validate(world_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # with how many processes to start, when the launcher's place is known
+        raise ConfigError(f"{e}{launch_hint(cfg, env) if env is not None else ''}") from None
     dims = layout.dims
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "
