@@ -10,7 +10,11 @@ each read in chunks up to its recorded size, against the manifest's SHA-256, as 
 cost, measured: hashlib's SHA-256 runs at 1.1 GB/s on one core of the 2-core machine this was written on, and
 `bench/data.py` opened a 1 GB dataset in 1.0-2.7 s (under load): a 50 GB dataset costs each rank one to two minutes at
 start, small beside a run on it, and a damaged shard is then a one-line error on every rank before any step, never a
-silent difference. `python -m minidist.data verify DIR` runs the same check on its own. `manifest_sha256` (the
+silent difference. Every shard's largest token id is read too (in the same pass as its hash; alone when
+`verify=False`) and must lie inside the vocabulary, and the manifest's vocabulary must be its tokenizer's (largest
+id + 1): an id past the embedding is a one-line error before any process group, not an IndexError (a device-side
+assert on CUDA) mid-run. A directory holding a dataset's files but no manifest (a killed prepare) is refused, never
+read as text. `python -m minidist.data verify DIR` runs the same check on its own. `manifest_sha256` (the
 manifest file's hash, which covers every file through the hashes it records) and `tokenizer_sha256` identify the
 dataset in a checkpoint.
 """
