@@ -241,3 +241,22 @@ def test_the_readmes_outputs_are_ignored_by_git():
     ignored = subprocess.run(["git", "check-ignore", "data/x", "hf/tiny/config.json", "minidist/data/x.py"],
                              cwd=ROOT, capture_output=True, text=True).stdout.split()
     assert ignored == ["data/x", "hf/tiny/config.json"]  # the package's own data/ stays tracked
+
+
+def _gather_and_scatter(_: object) -> list[float]:
+    """A rank of run_ranks: the two collectives torch 2.13 deprecates and 2.11 needs, through the package's Comm."""
+    import torch
+
+    from minidist.comm.communicator import Comm
+    comm = Comm(None)
+    gathered = comm.all_gather(torch.ones(2, device="cpu"))
+    return comm.reduce_scatter(gathered).tolist()
+
+
+def test_the_2_11_safe_collectives_print_no_deprecation_warning(tmp_path):
+    code = ("from minidist.comm.launch import run_ranks; import test_trust_round_three as t; "
+            "print(run_ranks(t._gather_and_scatter, 2, None, timeout=120, threads_per_rank=1))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+                          cwd=ROOT / "tests", env={**base_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
+    assert done.returncode == 0 and "[[2.0, 2.0], [2.0, 2.0]]" in done.stdout, done.stderr[-2000:]
+    assert "FutureWarning" not in done.stderr and "deprecated" not in done.stderr, done.stderr
