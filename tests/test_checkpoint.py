@@ -78,9 +78,11 @@ def test_resume_refuses_other_settings(tmp_path):
         train.train(small_config(out, steps=5, resume=True))
 
 
-def test_resume_without_checkpoint_starts_fresh_and_overwrite_clears_old_ones(tmp_path):
+def test_resume_without_a_run_is_refused_and_overwrite_clears_old_ones(tmp_path):
     out = tmp_path / "run"
-    summary = train.train(small_config(out, steps=3, resume=True))
+    with pytest.raises(ConfigError, match="holds no run"):  # a typo in --out must not silently start over
+        train.train(small_config(out, steps=3, resume=True))
+    summary = train.train(small_config(out, steps=3))
     assert summary["steps"] == [0, 1, 2] and summary["resumed_from"] is None
     assert checkpoint.latest_step(out / "checkpoints") == 3
     # --overwrite replaces the run: it must not leave the old latest behind for a later --resume

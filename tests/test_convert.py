@@ -299,7 +299,7 @@ def _check_tokenizer_beside_weights(run, tmp_path, capsys) -> None:
         assert len(err) == 1 and words in err[0], err
         assert not (tmp_path / "hf_bad").exists()  # refused before anything is written
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))  # 300 ids > 256 rows
-    with pytest.raises(ConvertError, match="300 token ids but the model's embedding has 256 rows"):
+    with pytest.raises(ConvertError, match="token ids up to 299 but the model's embedding has 256 rows"):
         hf_tokenizer.read_run_tokenizer(_saved(big, tmp_path / "big"), 256)
     (tmp_path / "fifo_run").mkdir()
     os.mkfifo(tmp_path / "fifo_run" / "tokenizer.json")

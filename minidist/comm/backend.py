@@ -63,7 +63,7 @@ def place(environ: Mapping[str, str]) -> Place:
         found = _slurm_place(environ)
     else:
         return Place()
-    check_place(found)
+    check_place(found, _slurm_size_name(environ) if found.launcher == "slurm" else None)
     if found.world_size > 1:
         check_rendezvous(environ, found.launcher)
     return found
@@ -82,13 +82,16 @@ def _torchrun_place(environ: Mapping[str, str]) -> Place:
 
 
 def _slurm_place(environ: Mapping[str, str]) -> Place:
-    # SLURM_STEP_NUM_TASKS is the step's size (srun -n inside a bigger allocation); SLURM_NTASKS the allocation's.
-    size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-    world = _int(environ, size_name, 1)
+    world = _int(environ, _slurm_size_name(environ), 1)
     local_world = tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "")),
                                 _int(environ, "SLURM_NODEID", 0))
     return Place(_int(environ, "SLURM_PROCID"), world, _int(environ, "SLURM_LOCALID", 0),
                  local_world if local_world is not None else world, "slurm")
+
+
+def _slurm_size_name(environ: Mapping[str, str]) -> str:
+    # SLURM_STEP_NUM_TASKS is the step's size (srun -n inside a bigger allocation); SLURM_NTASKS the allocation's.
+    return "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
 
 
 def tasks_on_node(spec: str, node: int) -> int | None:
@@ -113,10 +116,11 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def check_place(found: Place) -> None:
-    """One-line ValueError unless 0 <= rank < world_size and 0 <= local_rank < local_world_size."""
+def check_place(found: Place, size_name: str | None = None) -> None:
+    """One-line ValueError unless 0 <= rank < world_size and 0 <= local_rank < local_world_size; `size_name`: the
+    variable that gave the world size (srun: SLURM_STEP_NUM_TASKS or SLURM_NTASKS)."""
     names = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-             "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "tasks on this node")}
+             "slurm": ("SLURM_PROCID", size_name or "SLURM_NTASKS", "SLURM_LOCALID", "tasks on this node")}
     rank, world, local, local_world = names.get(found.launcher, ("rank", "world size", "local rank", "local size"))
     if found.world_size < 1:
         raise ValueError(f"{world}={found.world_size}: a job has at least one process")

@@ -30,6 +30,7 @@ use the same chunks and schedule, so their measured ledger entries equal these f
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +41,11 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from minidist.comm.recorder import FlightRecorder
+
+# torch 2.13 deprecates the names the package calls because torch 2.11 has no other (`comm.torch_support`): its
+# FutureWarning, once per rank and run, says nothing the user can act on. That one message only.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                        "deprecated", category=FutureWarning)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ledger

@@ -19,6 +19,7 @@ from typing import Any
 
 from minidist.convert.hf_model import ConvertError
 from minidist.data.tokenizer import MAX_TOKENIZER_BYTES, find_eod, parse_tokenizer
+from minidist.data.training_data import data_tokenizer_json
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -31,6 +32,39 @@ def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
         return None
     if not path.is_file():
         raise ConvertError(f"{path} is not a regular file; the trainer writes its tokenizer there as a file")
+    text, vocab = _read(path)
+    ids = max(vocab.values(), default=-1) + 1  # the largest id, not the number of tokens: ids may have gaps
+    if ids > vocab_size:
+        raise ConvertError(f"{path} has token ids up to {ids - 1:,} but the model's embedding has {vocab_size:,} "
+                           "rows: it is not this run's tokenizer")
+    return text
+
+
+def check_data_tokenizer(hf_dir: Path, data: str | None) -> None:
+    """from-hf --data: HF_DIR's tokenizer.json (when it has one) must be the data's (the same token for every id),
+    or the model would be fine-tuned on another tokenizer's ids. ConvertError (one line) names the first id that
+    differs."""
+    path = Path(hf_dir) / TOKENIZER
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        raise ConvertError(f"{path} is not a regular file")
+    try:
+        theirs = parse_tokenizer(data_tokenizer_json(data).decode("utf-8", errors="replace"))
+    except ValueError as e:
+        raise ConvertError(f"--data {data}: {e}") from None
+    ours = {i: t for t, i in _read(path)[1].items()}
+    data_ids = {i: t for t, i in theirs.get_vocab(with_added_tokens=True).items()}
+    differ = sorted(i for i in ours.keys() | data_ids.keys() if ours.get(i) != data_ids.get(i))
+    if differ:
+        i = differ[0]
+        raise ConvertError(f"{path} is not the tokenizer of --data {data or 'stdlib'}: {len(differ):,} ids differ "
+                           f"(id {i}: {ours.get(i)!r} here, {data_ids.get(i)!r} in the data); prepare the data with "
+                           f"--tokenizer {hf_dir}")
+
+
+def _read(path: Path) -> tuple[str, dict[str, int]]:
+    """A tokenizer.json's text and vocabulary (token -> id, added tokens too), read as untrusted input."""
     if path.stat().st_size > MAX_TOKENIZER_BYTES:
         raise ConvertError(f"{path} is {path.stat().st_size:,} bytes, more than the {MAX_TOKENIZER_BYTES:,} a "
                            "tokenizer.json can be")
@@ -38,13 +72,9 @@ def read_run_tokenizer(run_out: Path, vocab_size: int) -> str | None:
         data = f.read(MAX_TOKENIZER_BYTES + 1)
     try:
         text = data.decode("utf-8")
-        ids = parse_tokenizer(text).get_vocab_size(with_added_tokens=True)
+        return text, parse_tokenizer(text).get_vocab(with_added_tokens=True)
     except (UnicodeDecodeError, ValueError) as e:
         raise ConvertError(f"{path} is not a tokenizers JSON: {(str(e).splitlines() or ['unreadable'])[0]}") from None
-    if ids > vocab_size:
-        raise ConvertError(f"{path} has {ids:,} token ids but the model's embedding has {vocab_size:,} rows: it is "
-                           "not this run's tokenizer")
-    return text
 
 
 def end_of_text(text: str) -> tuple[str, int] | None:

@@ -138,6 +138,7 @@ def from_hf(hf_dir: Path, run_out: Path, trainer_args: Sequence[str] = (), rope_
         cfg = parse_config([*trainer_args, "--out", str(run_out), *(a for s in sets for a in ("--set", s))])
     except ConfigError as e:
         raise ConvertError(f"trainer settings: {e}") from None
+    hf_tokenizer.check_data_tokenizer(hf_dir, cfg.data)  # the ids the model learnt are the data's
     from minidist.train import run_dir
 
     try:

@@ -50,6 +50,9 @@ __all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "FILE_SEPARATOR", "VOCAB_S
 
 VOCAB_SIZE = 256  # byte-level
 FILE_SEPARATOR = b"\x1c"  # ASCII FS (file separator), placed between files in a joined corpus
+# A text source is held in memory (one byte per token, and a copy while it is made a tensor): above this many bytes
+# the trainer asks for --max-bytes (its head) or a prepared dataset (read from disk row by row).
+MAX_TEXT_BYTES = 2**30
 
 
 
@@ -262,7 +265,8 @@ def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes
         split = _load_stdlib(str(root), float(val_fraction), max_bytes)
         desc = f"python stdlib at {root}: {split.summary}"
     else:
-        split, desc = _load_user_source(source, val_fraction)
+        split, desc = _load_user_source(source, val_fraction, max_bytes)
+        _check_size(source, len(split.train) + len(split.val), max_bytes)  # sizes only: nothing read yet
         if max_bytes is not None:
             split, desc = _cap_user_split(split, desc, max_bytes)
 
@@ -273,7 +277,15 @@ def load_corpus(source: str | None = None, val_fraction: float = 0.05, max_bytes
     return Corpus(_to_tensor(split.train), _to_tensor(split.val), desc, split.train_files, split.val_files)
 
 
-def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
+def _check_size(source: str, total: int, max_bytes: int | None) -> None:
+    """One-line ValueError for a text source over MAX_TEXT_BYTES with no --max-bytes."""
+    if max_bytes is None and total > MAX_TEXT_BYTES:
+        raise ValueError(f"data source {source!r} holds {total:,} bytes, over the {MAX_TEXT_BYTES:,} a text source is "
+                         "read into memory; pass --max-bytes N to train on its head, or prepare it (python -m "
+                         "minidist.data prepare) to train on all of it from disk")
+
+
+def _load_user_source(source: str, val_fraction: float, max_bytes: int | None = None) -> tuple[_Split, str]:
     path = Path(os.path.expanduser(source))
     if not path.exists():
         if any(c in source for c in "*?["):
@@ -297,6 +309,7 @@ def _load_user_source(source: str, val_fraction: float) -> tuple[_Split, str]:
             raise ValueError(f"data source {source!r} is a directory with no text files (hidden and binary skipped)")
         split = _split_files(names, blobs, val_fraction)
         return split, f"text files under {path}: {split.summary}"
+    _check_size(source, path.stat().st_size, max_bytes)  # before the file is mapped
     if path.suffix == ".bin":
         split = _split_bytes(path.name, _mapped(path), val_fraction, unit="tokens")
         return split, f"pre-tokenized uint8 file {path}: {split.summary}"

@@ -4,8 +4,10 @@ Sources are the trainer's text sources (`minidist.data.corpus`): ``stdlib``, a d
 below it except hidden and binary ones), a glob pattern, a text file. A document is a file. A single file is split
 like today's byte corpus: validation is its last `val_fraction` of the bytes, so it makes two documents, one per
 split. A document bigger than `PIECE_BYTES` is tokenized in pieces cut after a newline that a non-space byte
-follows (a boundary a byte-level BPE's pre-tokenizer splits at anyway, so the ids are those of the whole text); the
-end-of-document token closes its last piece only. `max_bytes` stops the listing once the documents hold that many
+follows (a boundary a byte-level BPE's pre-tokenizer splits at anyway, so the ids are those of the whole text);
+without one within a piece's length, before a space, else before a character's first byte (a piece is never over
+2 x PIECE_BYTES: a 40 GB file of one line is tokenized piece by piece too); the end-of-document token closes its
+last piece only. `max_bytes` stops the listing once the documents hold that many
 bytes (the last one cut), before the split. The standard library's file list and the split rule (files in the order
 of a hash of their names) live here and `corpus.py` uses them, so `prepare` splits as the trainer's text sources do,
 and imports no torch.
@@ -27,6 +29,7 @@ PIECE_BYTES = 4 * 2**20
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _BINARY_SNIFF_BYTES = 8192
 _LINE_START = re.compile(rb"\n[^ \t\r\n\x0b\x0c]")  # a newline, then a non-space byte
+_CHAR_START = re.compile(rb"[\x00-\xff][^\x80-\xbf]")  # then a byte that starts a UTF-8 character
 
 
 def stdlib_root() -> Path:
@@ -158,12 +161,26 @@ def _pieces(path: Path, start: int, end: int) -> list[Piece]:
         while end - cuts[-1] > PIECE_BYTES:
             f.seek(cuts[-1] + PIECE_BYTES)
             window = f.read(min(PIECE_BYTES, end - cuts[-1] - PIECE_BYTES))
-            found = _LINE_START.search(window)
-            if found is None:
-                break  # no such line break within the next piece's length: the rest is one piece
-            cuts.append(cuts[-1] + PIECE_BYTES + found.start() + 1)
+            cut = _cut(window)
+            if cut is None:  # the window ends the source
+                break
+            cuts.append(cuts[-1] + PIECE_BYTES + cut)
     bounds = cuts + [end]
     return [Piece(str(path), a, b, last=b == end) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _cut(window: bytes) -> int | None:
+    """Where to cut in `window`: after a newline a non-space byte follows, else before a space, else before a
+    character's first byte (no piece over 2 x PIECE_BYTES, whatever the text: a file of one line would otherwise
+    be read and tokenized whole); None for a window too short to cut."""
+    found = b"\n" in window and _LINE_START.search(window)
+    if found:
+        return found.start() + 1
+    space = window.find(b" ", 1)  # before it: a byte-level BPE's words carry their leading space
+    if space > 0:
+        return space
+    found = _CHAR_START.search(window)
+    return found.start() + 1 if found else None
 
 
 def list_pieces(source: str, val_fraction: float, max_bytes: int | None = None,

@@ -18,19 +18,23 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
+from minidist import out_files
 from minidist.data import tokenizer as tokenizers
 from minidist.data.documents import Listing, Piece, list_pieces, read_range
 
 FORMAT, VERSION = "minidist-tokens", 1
 DEFAULT_SHARD_TOKENS = 2**27  # 256 MB of uint16 per shard
+LOCK = ".lock"  # held by the prepare writing the directory (`out_files.locked`, as the trainer holds its OUT)
 DATASET_FILE = re.compile(r"(train|val)_(\d{5}|docs)\.bin|manifest\.json|tokenizer\.json")
 
 
@@ -47,11 +51,14 @@ class _SplitWriter:
         self._file, self._hash, self._held = None, None, 0
 
     def add(self, ids: np.ndarray, last: bool) -> None:
+        if len(ids) and int(ids.max()) >= len(self.counts):  # before the count table or a shard could take it
+            raise ValueError(f"the tokenizer produced id {int(ids.max()):,}, outside its vocabulary of "
+                             f"{len(self.counts):,}; the dataset would not fit the model")
         ids = np.concatenate([ids, self.eod]) if last else ids
         self.counts += np.bincount(ids, minlength=len(self.counts))
         while len(ids):
             if self._file is None:
-                self._file, self._hash, self._held = open(self._path(len(self.shards)), "wb"), hashlib.sha256(), 0
+                self._file, self._hash, self._held = _new_file(self._path(len(self.shards))), hashlib.sha256(), 0
             take = ids[: self.shard_tokens - self._held]
             data = take.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
             self._file.write(data)
@@ -77,10 +84,20 @@ class _SplitWriter:
         if self._file is not None:
             self._close_shard()
         index = np.asarray(self.ends, dtype="<i8").tobytes()
-        (self.out / f"{self.split}_docs.bin").write_bytes(index)
+        out_files.replace_file(self.out / f"{self.split}_docs.bin", index)
         return {"tokens": self.total, "shards": self.shards, "unigram_entropy_nats": _entropy(self.counts),
                 "documents": {"file": f"{self.split}_docs.bin", "count": len(self.ends),
                               "sha256": hashlib.sha256(index).hexdigest()}}
+
+
+def _new_file(path: Path) -> BinaryIO:
+    """`path` opened for writing as a new file: a name that appeared since --out was checked (a planted link) is
+    refused in one line, never written through."""
+    try:
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644), "wb")
+    except FileExistsError:
+        raise ValueError(f"{path} appeared while prepare was writing (another process, or a link?); nothing was "
+                         "written through it") from None
 
 
 def _entropy(counts: np.ndarray) -> float:
@@ -95,7 +112,7 @@ def check_out(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUT; with `overwrite`, remove a previous dataset's files there and nothing else."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a directory")
-    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.exists() else []
     if entries and not overwrite:
         raise ValueError(f"--out {str(out)!r} is not empty ({len(entries)} entries); pass --overwrite to replace a "
                          "dataset there, or choose an empty directory")
@@ -152,15 +169,19 @@ def prepare(source: str, tokenizer: str = "bytes", out: str | Path = "data", *, 
         raise ValueError(f"shard_tokens and max_bytes must be >= 1, got {shard_tokens} and {max_bytes}")
     out = Path(out)
     listing = list_pieces(source, val_fraction, max_bytes, exclude=out)
-    check_out(out, overwrite)
-    tok = tokenizers.resolve_tokenizer(tokenizer, _texts(listing.train), eod_token)
-    (out / "tokenizer.json").write_text(tok.json, encoding="utf-8")
-    splits = _write_splits(out, listing, tok, workers, shard_tokens, progress)
-    manifest = {"format": FORMAT, "version": VERSION, "dtype": tok.dtype.name, "vocab_size": tok.vocab_size,
-                "eod_id": tok.eod_id, "tokenizer": {"file": "tokenizer.json", "spec": tok.spec,
-                                                    "sha256": hashlib.sha256(tok.json.encode()).hexdigest()},
-                "source": listing.description, "splits": splits}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a directory")
+    out_files.refuse_link(out)
+    with out_files.locked(out, LOCK, log=lambda line: print(line, file=sys.stderr)):  # one prepare per --out
+        check_out(out, overwrite)
+        tok = tokenizers.resolve_tokenizer(tokenizer, _texts(listing.train), eod_token)
+        out_files.replace_file(out / "tokenizer.json", tok.json.encode("utf-8"))
+        splits = _write_splits(out, listing, tok, workers, shard_tokens, progress)
+        manifest = {"format": FORMAT, "version": VERSION, "dtype": tok.dtype.name, "vocab_size": tok.vocab_size,
+                    "eod_id": tok.eod_id, "tokenizer": {"file": "tokenizer.json", "spec": tok.spec,
+                                                        "sha256": hashlib.sha256(tok.json.encode()).hexdigest()},
+                    "source": listing.description, "splits": splits}
+        out_files.replace_file(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
     return manifest
 
 

@@ -24,6 +24,10 @@ import numpy as np
 import torch
 
 
+class ShardChanged(ValueError):
+    """A shard no longer holds what it held when the dataset was opened (shortened while a run reads it)."""
+
+
 class TokenShards:
     """Shards (raw little-endian token files, in order) read as one 1-D token stream."""
 
@@ -55,7 +59,7 @@ class TokenShards:
         size = self.dtype.itemsize
         got = os.preadv(self._fd(i), [row], lo * size)
         if got != row.nbytes:
-            raise ValueError(f"shard {str(self.paths[i])!r} ended at byte {lo * size + got:,}, before its "
+            raise ShardChanged(f"shard {str(self.paths[i])!r} ended at byte {lo * size + got:,}, before its "
                              f"{self.counts[i]:,} tokens (shortened since the dataset was opened?)")
 
     def close(self) -> None:

@@ -18,7 +18,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,15 @@ EOD_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, in the order they are looked for in a loaded tokenizer.json.
 EOD_NAMES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 MAX_TOKENIZER_BYTES = 256 * 2**20  # a tokenizer.json is read whole: refuse one bigger than any real one
+# The largest vocabulary (ids 0..MAX_VOCAB-1): 2**18 = 262,144, Gemma 3's, the largest of the usual tokenizers
+# (Llama 3: 128,256). bpe:2**18 pads a small corpus in ~4 s to a 34 MB tokenizer.json; a larger one would be
+# minutes and an embedding no run here trains, and an id of 4e9 would ask for a 30 GiB count table.
+MAX_VOCAB = 2**18
+# A normalizer may lengthen text (NFKC turns one character into at most 18); more than this many characters out
+# per character in is refused: a Replace normalizer turning each character into 5,000 would multiply the memory
+# of every piece it tokenizes.
+MAX_EXPANSION = 32
+_PROBE = "".join(map(chr, range(32, 0x250))) + "\n\t ﷺ가各ａ①"  # the probe text the normalizer is run on
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
     special tokens if the texts run out of merges first)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if not 257 <= vocab_size <= 2**32:
-        raise ValueError(f"bpe vocabulary {vocab_size} is out of range; a byte-level BPE needs 257 (256 bytes and "
-                         "the end-of-document token) to 2**32 ids")
+    if not 257 <= vocab_size <= MAX_VOCAB:
+        raise ValueError(f"bpe vocabulary {vocab_size:,} is out of range; a byte-level BPE needs 257 (256 bytes and "
+                         f"the end-of-document token) to {MAX_VOCAB:,} ids")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -154,12 +164,60 @@ def from_tokenizer(tok, text: str, spec: str, eod_token: str | None = None) -> T
     if text == byte_tokenizer().json:
         return byte_tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
+    check_bounds(tok, vocab, spec, text)
     eod = find_eod(vocab, eod_token)
     if eod is None:
         names = (eod_token,) if eod_token is not None else EOD_NAMES
         raise ValueError(f"tokenizer {spec!r} has no end-of-document token (looked for {', '.join(names)}); "
                          "name one that it has with --eod-token")
     return TextTokenizer(spec, text, max(vocab.values()) + 1, eod[1])
+
+
+def check_bounds(tok, vocab: Mapping[str, int], spec: str, text: str) -> None:  # noqa: ANN001 (a `tokenizers.Tokenizer`)
+    """One-line ValueError for a tokenizer whose largest id is MAX_VOCAB or more, or whose normalizer makes text
+    more than MAX_EXPANSION times longer: a Replace of the JSON (`text`) whose content is that much longer than
+    what it replaces, or any normalizer on a probe text, before any data is tokenized."""
+    top = max(vocab.values(), default=-1)
+    if top >= MAX_VOCAB:
+        raise ValueError(f"tokenizer {spec!r} has token id {top:,}; ids must be below {MAX_VOCAB:,} (the largest "
+                         "vocabulary minidist trains)")
+    expanding = f"tokenizer {spec!r}: its normalizer makes text more than {MAX_EXPANSION} times longer; refused " \
+                "(it would multiply the memory of everything it tokenizes)"
+    if any(_replace_ratio(r) > MAX_EXPANSION for r in _replaces(json.loads(text).get("normalizer"))):
+        raise ValueError(expanding)
+    if tok.normalizer is not None:
+        for i in range(0, len(_PROBE), 64):  # in short probes: an expanding normalizer is stopped early
+            piece = _PROBE[i:i + 64]
+            if len(tok.normalizer.normalize_str(piece)) > MAX_EXPANSION * len(piece):
+                raise ValueError(expanding)
+
+
+def _replaces(node: object) -> Iterator[dict]:
+    """Every Replace normalizer in a normalizer's JSON (Sequences nest them)."""
+    if isinstance(node, dict):
+        if node.get("type") == "Replace":
+            yield node
+        for value in node.values():
+            yield from _replaces(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _replaces(value)
+
+
+def _replace_ratio(node: dict) -> float:
+    """Characters out per character in of one Replace (a regex may match a single character)."""
+    pattern, content = node.get("pattern"), node.get("content")
+    literal = pattern.get("String") if isinstance(pattern, dict) else None
+    width = len(literal) if isinstance(literal, str) and literal else 1
+    return len(content) / width if isinstance(content, str) else 0.0
+
+
+def vocab_of(tokenizer_json: bytes | str) -> int:
+    """The number of ids (largest + 1) of a tokenizer.json's text; one-line ValueError when it is not one."""
+    text = tokenizer_json.decode("utf-8", errors="replace") if isinstance(tokenizer_json, bytes) else tokenizer_json
+    if text == byte_tokenizer().json:
+        return 256
+    return max(parse_tokenizer(text).get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def find_eod(vocab: Mapping[str, int], eod_token: str | None = None) -> tuple[str, int] | None:

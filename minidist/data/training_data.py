@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minidist.data.corpus import load_corpus, unigram_entropy_nats
-from minidist.data.dataset import is_prepared, open_dataset, read_manifest
+from minidist.data.dataset import is_prepared, open_dataset, read_manifest, read_tokenizer
 from minidist.data.sampler import TokenSource
 from minidist.data.tokenizer import byte_tokenizer
 
@@ -75,3 +75,11 @@ def data_vocab_size(source: str | None) -> int | None:
     if source is None or not is_prepared(source):
         return None
     return read_manifest(source)[0]["vocab_size"]
+
+
+def data_tokenizer_json(source: str | None) -> bytes:
+    """The tokenizer.json of the data `--data` names (a prepared dataset's, checked; the byte tokenizer's for a
+    text source), without opening a shard."""
+    if source is not None and is_prepared(source):
+        return read_tokenizer(source)
+    return byte_tokenizer().json.encode()

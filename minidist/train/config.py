@@ -7,6 +7,7 @@ names callers need from the other two, so `from minidist.train.config import ...
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tomllib
 import typing
@@ -101,7 +102,20 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         # One line, like every other configuration error (argparse would print the whole usage first).
-        self.exit(2, f"error: {message} (see --help)\n")
+        self.exit(2, f"error: {message}{self.did_you_mean(message)} (see --help)\n")
+
+    def did_you_mean(self, message: str) -> str:
+        """'; did you mean --batch-size?' for an unrecognized --batch_size (or another near miss)."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("--"):
+                name = word.split("=", 1)[0]
+                close = difflib.get_close_matches(name.replace("_", "-"), flags, n=1, cutoff=0.75)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, text in FLAGS:
         key = flag[2:].replace("-", "_")
         kind = next(t for t in (typing.get_args(hints[key]) or (hints[key],)) if t is not type(None))
-        parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text} (default: {getattr(defaults, key)})")
+        default = "" if "default" in text else f" (default: {getattr(defaults, key)})"  # the text states its own
+        parser.add_argument(flag, type=kind, metavar=key.upper(), help=f"{text}{default}")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
     parser.add_argument("--overwrite", action="store_true", help="replace the run in OUT (only the trainer's "
                         "files: checkpoints/, metrics.jsonl, run.json, loss.png); without it a run there is refused")

@@ -124,7 +124,8 @@ AT_LEAST = {"steps": 1, "batch_size": 1, "seq_len": 1, "microbatches": 1, "eval_
             "virtual_stages": 1, "keep": 1, "check_every": 0, "loss_chunk": 0, "fp8_block": 1}
 
 
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 24 * 3600.0
+# 1 s: below it gloo's own connect times out before the peers meet ("Connect timeout", naming no flag)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
 
 
 def _check_ranges(cfg: TrainConfig) -> None:
@@ -151,8 +152,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {getattr(cfg, key)}")
         if not MIN_TIMEOUT_S <= getattr(cfg, key) <= MAX_TIMEOUT_S:  # the backend counts whole ms in a C++ int
-            raise ConfigError(f"{key} must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S} seconds (one week), got "
-                              f"{getattr(cfg, key)}")
+            raise ConfigError(f"--{key.replace('_', '-')} must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} "
+                              f"seconds (one week), got {getattr(cfg, key)}")
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, key) < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")

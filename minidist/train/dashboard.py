@@ -13,9 +13,14 @@ refuses the flag in one line before any process group starts.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from minidist import out_files
+from minidist.train.settings import RankConfigError
 
 INSTALL = "pip install -e '.[tensorboard]'"
 DIRECTORY = "tensorboard"
@@ -67,8 +72,12 @@ class Dashboard:
     def __init__(self, out: Path, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: TensorBoard forgets any earlier file's events from start_step on (a resumed run's redone steps)
-        self.writer = SummaryWriter(log_dir=str(Path(out) / DIRECTORY), purge_step=start_step)
+        self.fd = open_own_directory(Path(out) / DIRECTORY)
+        # Written through the descriptor of the directory checked here (Linux's /proc/self/fd): a link planted at
+        # OUT/tensorboard later is never followed. purge_step: TensorBoard forgets any earlier file's events from
+        # start_step on (a resumed run's redone steps).
+        where = f"/proc/self/fd/{self.fd}" if os.path.isdir("/proc/self/fd") else str(Path(out) / DIRECTORY)
+        self.writer = SummaryWriter(log_dir=where, purge_step=start_step)
 
     def write(self, records: list[dict[str, Any]]) -> None:
         for record in records:
@@ -78,3 +87,16 @@ class Dashboard:
 
     def close(self) -> None:
         self.writer.close()
+        os.close(self.fd)
+
+
+def open_own_directory(path: Path) -> int:
+    """A descriptor of the directory `path` (created if missing); RankConfigError (one line) if it is a symbolic
+    link or not a directory: the trainer writes nothing through a link."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | out_files.NO_FOLLOW)
+    except OSError:
+        raise RankConfigError(f"{path} is a symbolic link or not a directory; the trainer writes nothing through a "
+                              "link (remove it, or give another --out)") from None

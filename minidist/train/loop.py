@@ -30,8 +30,8 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +44,7 @@ from minidist import flops, out_files, precision
 from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.sampler import BatchSampler
+from minidist.data.shards import ShardChanged
 from minidist.data.training_data import TrainingData, load_training_data
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
@@ -51,7 +52,7 @@ from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels, q
 from minidist.model.moe.stats import moe_layers
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
-from minidist.train import metrics, profiling, run_dir, run_state
+from minidist.train import metrics, profiling, reporting, run_dir, run_state
 from minidist.train.blocks import apply_recompute, compile_blocks, frames_compiled, keep_gemms_eager, resolve_compile
 from minidist.train.config import (
     ConfigError,
@@ -80,22 +81,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says; return a summary (losses by step, validation losses, throughput, final figures)."""
     checked = preflight(cfg)  # before any process group: bad settings and layouts fail fast, in one line
     env, device = checked.env, checked.device
+    corpus = load_data(cfg)  # before the process group too: data missing or damaged on one node is its rank's line
     # One run at a time in OUT (rank 0 holds its lock); the process groups; on a failure each rank writes
     # OUT/flight/ (a bad setting is no communication failure).
-    with run_dir.locked(Path(cfg.out), env.rank == 0), joined(
-            checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out), ignore=(ConfigError,),
-            ckpt_timeout_s=cfg.ckpt_timeout) as topo:
-        run = setup(cfg, checked.layout, env, topo, device)
+    with run_dir.locked(Path(cfg.out), env.rank == 0), contextlib.ExitStack() as stack:
+        with reporting.rendezvous(_address(), cfg.comm_timeout):
+            topo = stack.enter_context(joined(checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out),
+                                              ignore=(ConfigError,), ckpt_timeout_s=cfg.ckpt_timeout))
+        run = setup(cfg, checked.layout, env, topo, device, corpus)
         resume(run)
         return train_loop(run)
 
 
-def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device: torch.device) -> Run:
-    """Everything a run holds, for `layout` (`preflight.resolve_layout`) on `topo` (its process groups)."""
+def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device: torch.device,
+          corpus: TrainingData | None = None) -> Run:
+    """Everything a run holds, for `layout` (`preflight.resolve_layout`) on `topo` (its process groups), on
+    `corpus` (`load_data(cfg)` when not given)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mcfg = model_config(cfg)
-    corpus = load_data(cfg)
+    corpus = corpus if corpus is not None else load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     for layer in moe_layers(model):  # --expert-backend: before ep swaps the experts (it keeps their backend)
         layer.experts.backend = cfg.expert_backend
@@ -418,28 +423,46 @@ def finish(run: Run, summary: dict[str, Any], clock: metrics.Clock, meter: MfuMe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: 0, or one line on stderr (and in torchrun's error file: `reporting`) on every rank that
+    stops, 2 for bad input, 1 for a failure of the machine or the job."""
     try:
         train(parse_config(argv))
-    except ConfigError as e:
-        if _rank() == 0 or isinstance(e, RankConfigError):  # a pre-flight error is every rank's: say it once
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # every rank says its own: a node's input may differ (a relative path, its files)
+        return _stop(str(e) if isinstance(e, RankConfigError) else _ranked(str(e)), 2)
+    except reporting.JoinFailed as e:
+        return _stop(_ranked(str(e)), 1, consequence=True)
+    except ShardChanged as e:
+        return _stop(_ranked(str(e)), 1)
     except OSError as e:  # the machine's, not the run's: a full disk while writing a checkpoint or OUT's files
         if e.errno is None and not str(e).startswith("cannot write"):
             raise  # not the filesystem's answer: keep its traceback
-        print(f"error: rank {_rank()}: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
-        return 1
+        return _stop(f"rank {_place()[0]}: {(str(e).splitlines() or [type(e).__name__])[0]}", 1)
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
-        if (line := health.stop_reason(e, _rank())) is None:
+        if (line := health.stop_reason(e, _place()[0])) is None:
             raise  # a bug: keep its traceback
-        print(f"error: {line}", file=sys.stderr)
-        return 1
+        return _stop(line, 1, consequence=not isinstance(e, health.TrainingDiverged))
     return 0
 
 
-def _rank() -> int:
-    """This process's rank for an error message; 0 when the launcher's variables are themselves the error."""
+def _stop(line: str, code: int, consequence: bool = False) -> int:
+    reporting.report(line, consequence=consequence)
+    return code
+
+
+def _ranked(message: str) -> str:
+    """`message` prefixed with this rank when the job has several."""
+    rank, world = _place()
+    return f"rank {rank}: {message}" if world > 1 else message
+
+
+def _place() -> tuple[int, int]:
+    """This process's (rank, world size) for an error message; (0, 1) when the launcher's variables are the error."""
     try:
-        return DistEnv.detect().rank
+        env = DistEnv.detect()
     except ValueError:
-        return 0
+        return 0, 1
+    return env.rank, env.world_size
+
+
+def _address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

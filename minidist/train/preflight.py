@@ -49,7 +49,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_fits(cfg, env.world_size)  # before anything loops over layers or allocates
-    layout = resolve_layout(cfg, env.world_size)
+    layout = resolve_layout(cfg, env.world_size, env)
     check_kernel_contracts(cfg, layout.dims)  # a CUDA run's GEMMs against CUDA's rules: no GPU needed
     run_dir.check_out(cfg)  # an OUT we cannot write, or one holding a run this one would destroy
     try:
@@ -123,7 +123,20 @@ def memory_capacity(device: str) -> tuple[str, int]:
     return "this machine's RAM", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
+def launch_hint(cfg: TrainConfig, env: DistEnv) -> str:
+    """How to start as many processes as the layout's degrees ask for, when that is not the world size."""
+    wanted = (cfg.dp or 1) * cfg.tp * cfg.pp * cfg.cp
+    if wanted == env.world_size:
+        return ""
+    if env.launcher == "single":
+        return (f"; this is one process: launch the {wanted} this layout needs with "
+                f"torchrun --nproc_per_node={wanted} -m minidist.train ...")
+    if env.launcher == "torchrun" and env.local_world_size == env.world_size:  # one node
+        return f"; this layout needs {wanted} processes: torchrun --nproc_per_node={wanted}"
+    return f"; this layout needs {wanted} processes, the launcher started {env.world_size}"
+
+
+def resolve_layout(cfg: TrainConfig, world_size: int, env: DistEnv | None = None) -> Layout:
     """The layout of this run (the grid's degrees, how each dimension is applied, the recomputation), checked
     against the world size and the model."""
     rest = cfg.tp * cfg.pp * cfg.cp
@@ -135,8 +148,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> Layout:
     try:
         layout = Layout(ParallelDims(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep), options, cfg.recompute)
         layout.dims.validate(world_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except ValueError as e:  # with how many processes to start, when the launcher's place is known
+        raise ConfigError(f"{e}{launch_hint(cfg, env) if env is not None else ''}") from None
     dims = layout.dims
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp*microbatches = "

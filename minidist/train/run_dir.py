@@ -42,7 +42,6 @@ RUN_FILES = (*RUN_MARKERS, "loss.png", "flight", dashboard.DIRECTORY, profiling.
 HOST_BYTES = 64  # a host name as check_shared gathers it (longer names are cut)
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
 LOCK = ".lock"
-LOCK_FRESH_S = 10.0  # an empty lock younger than this is a run between creating it and writing its owner
 # What the trainer writes inside checkpoints/ and flight/ (temporary names included: out_files' `.NAME.HEX.tmp`).
 _TMP = r"(\.[\w.-]+\.[0-9a-f]{8}\.tmp)"
 OWN_CHECKPOINT_ENTRY = re.compile(rf"latest|\.latest\.tmp|(\.tmp_)?step_\d{{6,}}|{_TMP}")
@@ -68,6 +67,9 @@ def check_out(cfg: TrainConfig) -> None:
     if found and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"--out {cfg.out} already holds a run ({', '.join(found)}); continue it with --resume "
                           "or replace it with --overwrite")
+    if cfg.resume and not found:  # a typo in --out must not silently start over
+        raise ConfigError(f"--resume: --out {cfg.out} holds no run (no {', '.join(RUN_MARKERS)}); check the path, "
+                          "or leave out --resume to start a new run there")
     if found and cfg.resume:
         try:
             step = checkpoint.latest_step(out / "checkpoints")
@@ -132,59 +134,20 @@ def foreign_files(out: Path) -> list[Path]:
 @contextlib.contextmanager
 def locked(out: Path, is_main: bool, log: Callable[[str], None] = print) -> Iterator[None]:
     """Rank 0 holds OUT/.lock (pid and host) for the block: a second run on OUT is refused in one line while this
-    one lives. A lock whose process is gone (its pid is dead on this host) is taken over, with a note."""
+    one lives. A lock whose process is gone (its pid is dead on this host) is taken over, with a note
+    (`out_files.locked`, which `python -m minidist.data prepare` holds on its --out too)."""
     if not is_main:
         yield
         return
-    out.mkdir(parents=True, exist_ok=True)
-    lock, mine = out / LOCK, f"{os.getpid()} {socket.gethostname()}\n"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | out_files.NO_FOLLOW, 0o644)
-            break
-        except FileExistsError:
-            owner = _lock_owner(lock)
-            if owner is not None:
-                raise ConfigError(f"--out {out} is in use by {owner} ({lock}); wait for it, give another --out, "
-                                  "or remove the lock if that run is gone") from None
-            log(f"{lock}: its run is gone; taking it over")
-            try:
-                lock.unlink(missing_ok=True)
-            except OSError as e:
-                raise ConfigError(f"--out {out}: cannot remove the stale {lock} ({e.strerror})") from None
-    else:
-        raise ConfigError(f"--out {out}: could not take {lock}; another run is starting there")
-    with os.fdopen(fd, "w") as f:
-        f.write(mine)
+    try:
+        held = out_files.locked(out, LOCK, log)
+        held.__enter__()
+    except out_files.LockHeld as e:
+        raise ConfigError(str(e)) from None
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            if lock.read_text() == mine:
-                lock.unlink()
-
-
-def _lock_owner(lock: Path) -> str | None:
-    """Who holds `lock` ("process P on host H"), or None when it is stale: its process is dead on this host, or the
-    file is not a lock at all. A lock of another host cannot be checked from here: it counts as held."""
-    try:
-        text = lock.read_text(errors="replace")
-        if not text and time.time() - lock.stat().st_mtime < LOCK_FRESH_S:
-            return "a run that is starting"  # created, its owner not yet written
-        pid_text, host = text.split()
-        pid = int(pid_text)
-    except (OSError, ValueError):
-        return None
-    if host == socket.gethostname():
-        if pid == os.getpid():  # this process's own lock, left by an earlier run in it that died without its finally
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass  # alive, another user's
-    return f"process {pid} on host {host}"
+        held.__exit__(None, None, None)
 
 
 def _can_write(directory: Path) -> bool:
