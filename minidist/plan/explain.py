@@ -61,7 +61,8 @@ def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int
     for s, e in enumerate(rows):
         lines.append(f"{s:>5} {e.params / GIB:>7.1f} {e.grads / GIB:>7.1f} {e.optimizer * share / GIB:>7.1f} "
                      f"{e.optimizer * (1 - share) / GIB:>7.1f} {e.activations / GIB:>7.1f} "
-                     f"{e.recompute_transient / GIB:>7.1f} {e.total / GIB:>7.1f}" + ("  <- heaviest" if s == worst else ""))
+                     f"{e.recompute_transient / GIB:>7.1f} {e.total / GIB:>7.1f}"
+                     + ("  <- heaviest" if s == worst else ""))
     lines.append(f"  (grads: {precision.grad:g} bytes per parameter, {precision.grad_buffer}; master + optim: "
                  f"{precision.master:g} + {precision.optimizer - precision.master:g} bytes per parameter, sharded from "
                  "ZeRO-1; the stack's reserved GiB come off the usable memory above)")
