@@ -239,7 +239,7 @@ def _deepseek(config: dict[str, Any], fields: dict[str, Any]) -> tuple[ModelConf
             if type(getattr(moe, key)) is not int or getattr(moe, key) < 0:
                 raise HFConfigError(f"config.json {key} must be a whole number >= 0, got {getattr(moe, key)!r}")
     mtp = config.get("num_nextn_predict_layers", 0)
-    if type(mtp) is not int or not 0 <= mtp <= 16:
-        raise HFConfigError(f"config.json num_nextn_predict_layers must be a whole number in 0..16, got {mtp!r}")
+    if type(mtp) is not int or not 0 <= mtp <= 8:
+        raise HFConfigError(f"config.json num_nextn_predict_layers must be a whole number in 0..8, got {mtp!r}")
     cfg = ModelConfig(**fields, attention="mla", mla=mla, moe=moe)
     return check_sizes(cfg, "config.json"), mtp

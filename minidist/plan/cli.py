@@ -46,6 +46,39 @@ from minidist.plan.step_time import Recipe
 from minidist.train.config import OneLineParser
 
 
+def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """The stack, the memory and the layouts a user can run (`plan.stack`, `plan.restrict`, `plan.layout_rows`)."""
+    parser.add_argument("--stack", default=None, metavar="NAME|FILE.toml",
+                        help="the training stack's memory rules and abilities: a preset, trainer (default: this "
+                             "trainer's kernels, bf16 weights and gradients, fp32 master and moments), megatron "
+                             "(Megatron-LM's kernels' saved activations: a fused RMSNorm, SP inputs kept sharded), "
+                             "deepseek (DeepSeek-V3's: fp32 gradients, bf16 moments, FP8 saved inputs, norms, SwiGLU "
+                             "and MLA's up-projections recomputed: needs --fp8), or a TOML file with the fields "
+                             "param_bytes, grad_bytes, master_bytes (0: none), optimizer_bytes (e.g. 8: AdamW's fp32 "
+                             "moments), grad_buffer (\"sharded\": follows ZeRO; \"full\": grad_bytes per parameter of "
+                             "the rank's shard whatever the stage), activations (trainer|megatron|deepseek), "
+                             "reserved_gib (per GPU; default 10%% of its memory), and what it can run: schedules, "
+                             "zero_stages, cp (its context-parallel kinds, [] for none), recompute, max_tp (0: any); "
+                             "see minidist/plan/stack.py and configs/stacks/")
+    parser.add_argument("--kernels", default=None, choices=tuple(PRECISIONS),
+                        help="the same as --stack with a preset name (kept for older commands)")
+    parser.add_argument("--memory-gib", type=float, default=None, metavar="G",
+                        help="memory per GPU in GiB instead of the chip's (the stack's reserved_gib comes off it)")
+    parser.add_argument("--micro-batch-size", type=int, default=0, metavar="B",
+                        help="sequences per micro-batch (the micro-batches follow from the global batch; a dp whose "
+                             "dp x B does not divide it is refused); default: the search chooses")
+    parser.add_argument("--restrict", default="", metavar="SETTINGS",
+                        help='only layouts with these values, e.g. "zero=0,1 schedule=1f1b cp=1 recompute=none" '
+                             "(keys dp, tp, pp, cp, ep, zero, microbatches, virtual_stages, schedule, recompute, "
+                             "cp_impl; values separated by commas)")
+    parser.add_argument("--all", action="store_true",
+                        help="with --json: also the --top fastest layouts that do not fit, each with fits false; every "
+                             "row with mem_per_stage_gib and, when it does not fit, overflow_term")
+    parser.add_argument("--explain-file", metavar="FILE", default=None,
+                        help="one layout per line in --explain's syntax (booleans 1/0 or true/false); prints one JSON "
+                             "object per line (the row, mem_per_stage_gib, overflow_term, rank), one search for all")
+
+
 def build_parser() -> argparse.ArgumentParser:
     presets = sorted(ALL_PRESETS)
     parser = OneLineParser(prog="python -m minidist.plan", description=__doc__.split("\n\n")[0].replace("`", ""),
@@ -76,35 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the blocks' linear GEMMs in FP8 with the trainer's recipe of that name (blockwise on "
                              "H800/H100 at DeepGEMM's rate measured at DeepSeek-V3's shapes, else the FP8 peak, twice "
                              "bf16's, at the bf16 efficiency; DeepSeek-V3 trained blockwise); default none")
-    parser.add_argument("--stack", default=None, metavar="NAME|FILE.toml",
-                        help="the training stack's memory rules and abilities: a preset, trainer (default: this "
-                             "trainer's kernels, bf16 weights and gradients, fp32 master and moments), megatron "
-                             "(Megatron-LM's kernels' saved activations: a fused RMSNorm, SP inputs kept sharded), "
-                             "deepseek (DeepSeek-V3's: fp32 gradients, bf16 moments, FP8 saved inputs, norms, SwiGLU "
-                             "and MLA's up-projections recomputed: needs --fp8), or a TOML file with the fields "
-                             "param_bytes, grad_bytes, master_bytes (0: none), optimizer_bytes (e.g. 8: AdamW's fp32 "
-                             "moments), grad_buffer (\"sharded\": follows ZeRO; \"full\": grad_bytes per parameter of "
-                             "the rank's shard whatever the stage), activations (trainer|megatron|deepseek), "
-                             "reserved_gib (per GPU; default 10%% of its memory), and what it can run: schedules, "
-                             "zero_stages, cp (its context-parallel kinds, [] for none), recompute, max_tp (0: any); "
-                             "see minidist/plan/stack.py and configs/stacks/")
-    parser.add_argument("--kernels", default=None, choices=tuple(PRECISIONS),
-                        help="the same as --stack with a preset name (kept for older commands)")
-    parser.add_argument("--memory-gib", type=float, default=None, metavar="G",
-                        help="memory per GPU in GiB instead of the chip's (the stack's reserved_gib comes off it)")
-    parser.add_argument("--micro-batch-size", type=int, default=0, metavar="B",
-                        help="sequences per micro-batch (the micro-batches follow from the global batch; a dp whose "
-                             "dp x B does not divide it is refused); default: the search chooses")
-    parser.add_argument("--restrict", default="", metavar="SETTINGS",
-                        help='only layouts with these values, e.g. "zero=0,1 schedule=1f1b cp=1 recompute=none" '
-                             "(keys dp, tp, pp, cp, ep, zero, microbatches, virtual_stages, schedule, recompute, "
-                             "cp_impl; values separated by commas)")
-    parser.add_argument("--all", action="store_true",
-                        help="with --json: also the --top fastest layouts that do not fit, each with fits false; every "
-                             "row with mem_per_stage_gib and, when it does not fit, overflow_term")
-    parser.add_argument("--explain-file", metavar="FILE", default=None,
-                        help="one layout per line in --explain's syntax (booleans 1/0 or true/false); prints one JSON "
-                             "object per line (the row, mem_per_stage_gib, overflow_term, rank), one search for all")
+    _add_stack_arguments(parser)
     parser.add_argument("--max-nodes", type=int, default=0, metavar="M",
                         help="node-limited routing: each token's experts on at most M nodes, as DeepSeek-V3's M=4 "
                              "(the network carries min(top_k, M) rows per token); default 0, unlimited")
@@ -204,8 +209,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--memory-gib must be in (0, 1048576], got {args.memory_gib}")
     if args.micro_batch_size < 0:
         raise ValueError(f"--micro-batch-size must be >= 1 sequences, got {args.micro_batch_size}")
-    if args.mtp_depth is not None and not 0 <= args.mtp_depth <= 16:
-        raise ValueError(f"--mtp-depth must be in 0..16, got {args.mtp_depth}")
 
 
 def stack_cluster(cluster: Cluster, stack: Stack, memory_gib: float | None = None) -> Cluster:

@@ -11,7 +11,9 @@ what overlaps, DualPipeV's overlapped pairs; node-limited routing with `--max-no
 The rules that bound the search (each refused layout is counted with its reason):
 
 * tp divides the heads; beyond a node its all-reduces cross the network (`hardware.link_of`), which the step time
-  charges; sequence parallel is on whenever tp > 1 (the same bytes as plain TP, less activation memory);
+  charges: it keeps the compute per GPU and sends its all-reduces over the network several times a layer, so it
+  is tried only for a (pp, cp) where no layout with tp inside a node fits (the smaller degrees are searched
+  first); sequence parallel is on whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
   per rank; pp ≤ layers, the interleaved schedule and ZB-H1 need micro-batches ≥ pp, ZB-V and DualPipeV ≥ 2·pp;
   chunks may be uneven (pp·v ≤ layers + 2: the embedding and the head take a layer's slot, as in Llama 3; the
@@ -246,10 +248,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
         # `candidate_layouts` holds fixed, e.g. loss_chunk, are left out: add any it comes to vary)
         settings = (dims, o.schedule, o.virtual_stages, o.zero, layout.recompute)
         if dims.tp > cluster.gpus_per_node and (dims.pp, dims.cp) in fits_in_node:
-            # tp beyond a node keeps the compute per GPU and sends its all-reduces over the network several times
-            # a layer: a memory measure, tried only where no layout with tp inside a node fits (the tp loop runs
-            # the smaller degrees first)
-            continue
+            continue  # tp over the network: a memory measure, tried where tp inside a node fits nothing
         if lighter in fits_lighter:
             # none, selective, full come in that order: more recomputation of a layout that fits with less is
             # never faster (the same communication or more, the same compute or more), so it is not evaluated
@@ -276,8 +275,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             ring_over.add((settings, m))
         elif candidate.fits:
             fits_lighter.add(lighter)
-            if dims.tp <= cluster.gpus_per_node:
-                fits_in_node.add((dims.pp, dims.cp))
+            fits_in_node.update([(dims.pp, dims.cp)] if dims.tp <= cluster.gpus_per_node else [])
             if dims.pp == 1:
                 fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
