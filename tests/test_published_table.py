@@ -49,5 +49,7 @@ def test_layouts_that_ran_fit_and_the_reported_oom_does_not(predicted):
 def test_reported_memory_is_not_underestimated(predicted):
     reported = [p for p in predicted if p.run.reported_gib]
     assert reported
-    for p in reported:  # an estimate below a measured peak would send someone to an out-of-memory error
-        assert p.gib >= p.run.reported_gib, f"{p.run.name}: {p.gib:.1f} GiB predicted < {p.run.reported_gib:.1f}"
+    for p in reported:  # a device's figure (nvidia-smi's) holds the context and the allocator's cache: the reserve
+        assert p.gib + p.reserved_gib >= p.run.reported_gib, \
+            f"{p.run.name}: {p.gib:.1f} + {p.reserved_gib:.1f} GiB predicted < {p.run.reported_gib:.1f} reported"
+        assert p.gib <= p.run.reported_gib  # the model's own bytes are what a device holds less its overhead

@@ -80,12 +80,13 @@ def runs() -> list[Run]:
             "configs/stacks/deepseek-v3.toml", "H800", 2048, 4096, 15360,
             dict(dp=128, tp=1, cp=1, pp=16, ep=64, zero=1, schedule="dualpipev"), ds_seconds,
             recipe=Recipe(fp8="blockwise", max_nodes=4, comm_sms=20, mtp_depth=1)),
-        Run("BLOOM 176B, 384 A100", "BigScience: about 150 TFLOP/s per GPU; 48 GPUs per replica using 60 GB each",
-            "configs/models/bloom-176b.toml", "configs/stacks/megatron-deepspeed.toml", "A100", 384, 2048, 2048,
-            dict(tp=4, pp=12, dp=8, cp=1, ep=1, microbatches=2048 // (8 * 2)),
+        Run("BLOOM 176B, 384 A100", "BigScience: about 150 TFLOP/s per GPU; 48 GPUs per replica using 60 GB each; "
+            "tr11-176B-ml.slurm: micro-batches of 2, --checkpoint-activations", "configs/models/bloom-176b.toml",
+            "configs/stacks/megatron-deepspeed.toml", "A100", 384, 2048, 2048,
+            dict(tp=4, pp=12, dp=8, cp=1, ep=1, microbatches=2048 // (8 * 2), recompute="full"),
             megatron_step(bloom, 2048, 2048, 384, 150), reported_gib=60e9 / GIB,
             why_off=OLD_KERNELS + "; its nodes had four 100 Gb/s Omni-Path links for 8 GPUs (50 Gb/s per GPU), the "
-                    "planner's A100 nodes one 200 Gb/s port per GPU"),
+                    "planner's A100 nodes one 200 Gb/s port per GPU; its launch script sets CUDA_LAUNCH_BLOCKING=1"),
         *[Run(f"MT-NLG 530B, {gpus:,} A100", f"MT-NLG §2.4: {seconds} s per iteration",
               "configs/models/mt-nlg-530b.toml", "configs/stacks/megatron-deepspeed.toml", "A100", gpus, 2048, 1920,
               dict(tp=8, pp=35, dp=dp, cp=1, ep=1), seconds, why_off=OLD_KERNELS) for gpus, dp, seconds in mtnlg],
@@ -122,6 +123,7 @@ class Predicted:
     fits: bool
     gib: float  # its heaviest stage's bytes, in GiB (the stack's reserved GiB not included)
     usable_gib: float
+    reserved_gib: float  # what the stack reserves per GPU (CUDA context, NCCL, the allocator's slack)
 
     @property
     def ratio(self) -> float:
@@ -139,16 +141,17 @@ def predict(run: Run) -> Predicted:
     if not plan.feasible and not plan.rejected:
         raise ValueError(f"{run.name}: the search has no layout {run.layout}")
     candidate = plan.feasible[0] if plan.feasible else plan.heaviest(plan.rejected[0])
-    return Predicted(run, candidate, bool(plan.feasible), candidate.memory.total / GIB, cluster.budget / GIB)
+    return Predicted(run, candidate, bool(plan.feasible), candidate.memory.total / GIB, cluster.budget / GIB,
+                     stack.reserved_bytes(cluster.memory_bytes) / GIB)
 
 
 def table(rows: list[Predicted]) -> str:
     """The Markdown table of docs/PUBLISHED_RUNS.md's "Many sizes"."""
     lines = ["| published run | stack | layout the planner evaluates | predicted s | published s | ratio | fits "
-             "(GiB of usable) | reported memory |", "|---|---|---|---:|---:|---:|---|---|"]
+             "(GiB of usable) | memory with the reserve vs reported |", "|---|---|---|---:|---:|---:|---|---|"]
     for p in rows:
         reported = "out of memory" if p.run.reported_oom else \
-            f"{p.run.reported_gib:.1f} GiB" if p.run.reported_gib else "-"
+            f"{p.gib:.1f} + {p.reserved_gib:.1f} vs {p.run.reported_gib:.1f} GiB" if p.run.reported_gib else "-"
         fits = f"{'yes' if p.fits else 'no'} ({p.gib:.1f} of {p.usable_gib:.1f})"
         lines.append(f"| {p.run.name} | {p.run.stack.rsplit('/', 1)[-1]} | {describe_layout(p.candidate.layout)} | "
                      f"{p.candidate.time.total:.2f} | {p.run.seconds:.2f} | {p.ratio:.2f} | {fits} | {reported} |")

@@ -64,6 +64,8 @@ def of_stack(stack: Stack) -> Restrict:
     tp's most)."""
     allowed: list[tuple[str, tuple]] = [("schedule", stack.schedules), ("zero", stack.zero_stages),
                                         ("recompute", stack.recompute)]
+    if not stack.sequence_parallel:
+        allowed.append(("sequence_parallel", (False,)))
     if not stack.cp:
         allowed.append(("cp", (1,)))
     else:

@@ -150,6 +150,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
     """Every layout of the search space that the rules and `restrict` admit; refused grid points are counted by
     reason."""
     experts, size = cfg.moe.n_experts, restrict.micro_batch_size
+    sp = restrict.values("sequence_parallel") != (False,)  # a stack without sequence parallelism
     for tp, cp in itertools.product(_divisors(gpus), _divisors(gpus)):
         if gpus % (tp * cp) or not (restrict.admits_degree("tp", tp) and restrict.admits_degree("cp", cp)):
             continue
@@ -187,7 +188,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             for ep, zero, m, recompute, impl in itertools.product(eps, range(4), micro, recomputes, impls):
                 dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                 for schedule, v in pipeline_schedules(cfg.n_layers, pp, m):
-                    options = ParallelOptions(sequence_parallel=tp > 1, schedule=schedule, microbatches=m,
+                    options = ParallelOptions(sequence_parallel=tp > 1 and sp, schedule=schedule, microbatches=m,
                                               virtual_stages=v, zero=zero, cp_impl=impl)
                     layout = Layout(dims, options, recompute)
                     if restrict.admits(layout):

@@ -17,7 +17,8 @@ file (every one optional; an omitted one takes the `trainer` preset's value):
   10% of the chip's memory;
 * what the stack can run, restricting the search: `schedules` (of 1f1b, interleaved, zb1, zbv, dualpipev),
   `zero_stages` (of 0-3), `cp` (its context-parallel attention: of ring, allgather; [] for none), `recompute` (of
-  none, selective, full), `max_tp` (0: no limit).
+  none, selective, full), `max_tp` (0: no limit), `sequence_parallel` (false: tp keeps whole activations between
+  its regions, as Megatron-LM did before 2022).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Stack:
     cp: tuple[str, ...] = CP_KINDS
     recompute: tuple[str, ...] = RECOMPUTES
     max_tp: int = 0
+    sequence_parallel: bool = True
 
     @property
     def precision(self) -> Precision:
@@ -101,6 +103,8 @@ def stack_from_dict(values: dict[str, Any], path: str) -> Stack:
         elif key == "reserved_gib" and (type(value) not in (int, float) or not math.isfinite(value)
                                         or not 0 <= value <= 1024):
             raise ValueError(f"{path}: reserved_gib must be a number of GiB in 0..1024, got {value!r}")
+        elif key == "sequence_parallel" and type(value) is not bool:
+            raise ValueError(f"{path}: sequence_parallel must be true or false, got {value!r}")
         elif key == "max_tp" and (type(value) is not int or not 0 <= value <= 1 << 16):
             raise ValueError(f"{path}: max_tp must be a whole number >= 0 (0: no limit), got {value!r}")
         elif key in ("schedules", "zero_stages", "cp", "recompute"):
@@ -136,7 +140,8 @@ def stack_words(stack: Stack) -> str:
               ("no context parallelism" if not stack.cp else f"cp by {', '.join(stack.cp)}")
               if stack.cp != CP_KINDS else "",
               f"recompute {', '.join(stack.recompute)}" if stack.recompute != RECOMPUTES else "",
-              f"tp <= {stack.max_tp}" if stack.max_tp else ""]
+              f"tp <= {stack.max_tp}" if stack.max_tp else "",
+              "" if stack.sequence_parallel else "no sequence parallelism"]
     runs = "; ".join(w for w in limits if w)
     return (f"stack {stack.name}: {stack.param_bytes:g} + {stack.grad_bytes:g} ({stack.grad_buffer}) + "
             f"{stack.master_bytes:g} + {stack.optimizer_bytes:g} bytes per parameter (weights, gradients, master, "
