@@ -175,3 +175,22 @@ def test_json_all_lists_what_does_not_fit_and_why(capsys):
     for r in over:
         assert len(r["mem_per_stage_gib"]) == r["pp"] and max(r["mem_per_stage_gib"]) == r["mem_gib"] > 72
         assert r["overflow_term"] in ("params", "grads", "optimizer", "activations", "recompute_transient")
+
+
+def test_a_stack_without_sequence_parallelism_keeps_whole_activations(tmp_path, capsys):
+    from minidist.model import get_preset as preset
+    from minidist.plan.cluster import cluster_for_chip
+    from minidist.plan.restrict import of_stack
+    from minidist.plan.search import search
+    no_sp = load_stack(_write(tmp_path, "nosp.toml", "sequence_parallel = false\n"))
+    plans = {name: search(preset("tiny"), 8, 256, 64 * 1024, cluster_for_chip("H100-SXM"), stack.precision,
+                          restrict=of_stack(stack)) for name, stack in (("sp", PRESETS["trainer"]), ("no", no_sp))}
+    tp = [c for c in plans["no"].feasible if c.layout.dims.tp > 1]
+    assert tp and not any(c.layout.options.sequence_parallel for c in tp)
+    def key(c):  # the layout but for sequence parallelism
+        return tuple((k, v) for k, v in c.layout.flat().items() if k != "sequence_parallel")
+    with_sp = {key(c): c for c in plans["sp"].feasible}
+    pairs = [(c, with_sp[key(c)]) for c in tp if key(c) in with_sp]
+    assert pairs and all(a.memory.activations > b.memory.activations for a, b in pairs)
+    assert main(["--model", "tiny", *SMALL, "--kernels", "megatron", "--stack", "trainer"]) == 2
+    assert "disagree" in capsys.readouterr().err

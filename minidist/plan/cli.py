@@ -58,7 +58,8 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "moments), grad_buffer (\"sharded\": follows ZeRO; \"full\": grad_bytes per parameter of "
                              "the rank's shard whatever the stage), activations (trainer|megatron|deepseek), "
                              "reserved_gib (per GPU; default 10%% of its memory), and what it can run: schedules, "
-                             "zero_stages, cp (its context-parallel kinds, [] for none), recompute, max_tp (0: any); "
+                             "zero_stages, cp (its context-parallel kinds, [] for none), recompute, max_tp (0: any), "
+                             "sequence_parallel (true/false); "
                              "see minidist/plan/stack.py and configs/stacks/")
     parser.add_argument("--kernels", default=None, choices=tuple(PRECISIONS),
                         help="the same as --stack with a preset name (kept for older commands)")
