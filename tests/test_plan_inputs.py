@@ -194,3 +194,14 @@ def test_a_stack_without_sequence_parallelism_keeps_whole_activations(tmp_path, 
     assert pairs and all(a.memory.activations > b.memory.activations for a, b in pairs)
     assert main(["--model", "tiny", *SMALL, "--kernels", "megatron", "--stack", "trainer"]) == 2
     assert "disagree" in capsys.readouterr().err
+
+
+def test_explain_shows_every_memory_term_of_the_stack(capsys):
+    assert main(["--model", "tiny", *SMALL, "--stack", "megatron", "--memory-gib", "40",
+                 "--explain", "dp=2 tp=2 pp=2"]) == 0
+    out = capsys.readouterr().out
+    for term in ("params", "grads", "master", "optim", "acts", "recomp"):
+        assert f" {term} " in out.split("memory per rank by pipeline stage")[1].splitlines()[1] + " ", term
+    assert "40.0 GiB - reserved 4.0 GiB = 36.0 GiB" in out  # --memory-gib, the default reserve of 10%
+    assert "master + optim: 4 + 8 bytes per parameter" in out
+    assert main(["--model", "tiny", *SMALL, "--all"]) == 2

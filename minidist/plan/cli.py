@@ -208,6 +208,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if args.memory_gib is not None and not 0 < args.memory_gib <= 1 << 20:
         raise ValueError(f"--memory-gib must be in (0, 1048576], got {args.memory_gib}")
+    if args.all and not args.json:
+        raise ValueError("--all lists the layouts that do not fit as JSON rows: add --json (the text report names "
+                         "the fastest three and why)")
     if args.micro_batch_size < 0:
         raise ValueError(f"--micro-batch-size must be >= 1 sequences, got {args.micro_batch_size}")
 
