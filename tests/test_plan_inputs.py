@@ -157,6 +157,9 @@ def test_explain_file_answers_each_line_as_explain_does(tmp_path, capsys):
     ("\n" * 1_000_000, "at most 10,000 layouts"),
     ("dp=8 tp=x\n", "line 1"),
     ("# nothing\n", "holds no layout"),
+    ("dp=8 schedule=foo\n", "schedule='foo' is unknown"),
+    ("dp=1 tp=8\n", "tp=8 must divide the 4 heads"),
+    ("dp=4 tp=4\n", "dp·tp·pp·cp = 16, not the 8 GPUs"),
 ])
 def test_hostile_layout_files_are_one_line_without_a_hang(tmp_path, capsys, text, needle):
     start = time.monotonic()

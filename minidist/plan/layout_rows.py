@@ -18,6 +18,7 @@ from minidist.plan.cluster import Cluster
 from minidist.plan.explain import evaluate, parse_settings
 from minidist.plan.rank_memory import MemoryEstimate, estimate_memory
 from minidist.plan.search import Candidate, Plan
+from minidist.plan.stack import CP_KINDS, RECOMPUTES, SCHEDULES
 
 MAX_LAYOUT_LINES = 10_000  # a layout file is a table someone wrote; more lines than this is not one
 MAX_LAYOUT_BYTES = 1 << 20
@@ -79,6 +80,19 @@ def read_layout_file(path: str) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
+def _check_given(cfg: ModelConfig, layout: Layout, number: int) -> None:
+    """One-line ValueError for a layout outside the search that no run could have (names, heads, layers)."""
+    o, d = layout.options, layout.dims
+    names = {"schedule": (o.schedule, (*SCHEDULES, "afab")), "recompute": (layout.recompute, RECOMPUTES),
+             "cp_impl": (o.cp_impl, (*CP_KINDS, "ulysses"))}
+    for key, (value, allowed) in names.items():
+        if value not in allowed:
+            raise ValueError(f"--explain-file line {number}: {key}={value!r} is unknown; choose one of {allowed}")
+    if cfg.n_heads % d.tp or d.pp > cfg.n_layers or min(d.dp, d.tp, d.pp, d.cp, d.ep, o.microbatches) < 1:
+        raise ValueError(f"--explain-file line {number}: tp={d.tp} must divide the {cfg.n_heads} heads, pp={d.pp} be "
+                         f"at most the {cfg.n_layers} layers, every degree >= 1")
+
+
 def explain_rows(cfg: ModelConfig, plan: Plan, layouts: list[tuple[int, dict[str, Any]]], gpus: int, seq_len: int,
                  sequences: int, cluster: Cluster) -> list[dict[str, Any]]:
     """One row per layout: the fastest of the search with its settings (fitting first; its place among those that
@@ -92,6 +106,7 @@ def explain_rows(cfg: ModelConfig, plan: Plan, layouts: list[tuple[int, dict[str
         if found is None:
             layout = Layout.of(**settings)
             d = layout.dims
+            _check_given(cfg, layout, number)
             if d.dp * d.tp * d.pp * d.cp != gpus:
                 raise ValueError(f"--explain-file line {number}: dp·tp·pp·cp = {d.dp * d.tp * d.pp * d.cp:,}, not "
                                  f"the {gpus:,} GPUs")
