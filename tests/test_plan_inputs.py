@@ -69,6 +69,7 @@ def test_a_config_json_is_planned_and_counted_as_the_model_built_on_meta(tmp_pat
     fp8 = ["--stack", "deepseek", "--fp8", "blockwise"] if config is DEEPSEEK_SMALL else []
     assert main(["--model", path, *SMALL, "--top", "1", *fp8]) == 0
     assert f"{count_params(cfg):,} parameters" in capsys.readouterr().out
+    assert planned_model(str(tmp_path)) == (cfg, mtp)  # the checkpoint's directory names its config.json
 
 
 def test_a_toml_model_table_and_set_override_a_preset(tmp_path, capsys):

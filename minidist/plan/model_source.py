@@ -94,6 +94,8 @@ def planned_model(spec: str, sets: list[str] = ()) -> tuple[ModelConfig, int]:
     """(the model `--model spec` and the `--set` items name, the multi-token-prediction modules its config.json
     states, 0 otherwise); one-line ValueError for anything else."""
     mtp = 0
+    if Path(spec).is_dir() and (Path(spec) / "config.json").is_file():  # a Hugging Face checkpoint directory
+        spec = str(Path(spec) / "config.json")
     if spec in ALL_PRESETS:
         cfg = get_preset(spec)
     elif spec.endswith(".json"):
