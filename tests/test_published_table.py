@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist.plan.published_table import TOLERANCE, predict, runs, table
+from minidist.plan.published_table import TOLERANCE, predict, repo_file, runs, table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "PUBLISHED_RUNS.md"
 
@@ -25,7 +25,7 @@ def test_the_docs_hold_the_computed_table(predicted):
 def test_many_sizes_from_many_sources(predicted):
     sources = {p.run.name.split(",")[0].split(" ")[0] for p in predicted}
     assert len(predicted) >= 10 and len(sources) >= 5, sources
-    assert all(Path(p.run.stack).is_file() for p in predicted)  # each row names the stack file it ran on
+    assert all(Path(repo_file(p.run.stack)).is_file() for p in predicted)  # each row names the stack file it ran on
 
 
 def test_every_row_is_within_tolerance_or_says_why(predicted):

@@ -14,6 +14,7 @@ recomputation; Llama 3: this course's, as `published.py`), GPU-hours per trillio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from minidist.hardware import GIB
 from minidist.model.config import ModelConfig
@@ -31,6 +32,7 @@ from minidist.plan.step_time import DEFAULT_RECIPE, Recipe
 OLD_KERNELS = ("Megatron-DeepSpeed's 2021-22 kernels: the attention scores materialized (no FlashAttention), no "
                "sequence parallelism; the run's reported throughput is 40-48% of the A100's peak where the planner "
                "charges its GEMMs at the best measured rate (268 of 312 TFLOP/s) and attention at FlashAttention-2's")
+REPO = Path(__file__).resolve().parents[2]  # configs/ lives at the repository's root, wherever this runs from
 TOLERANCE = 0.25  # every row's predicted step within 25% of the published one, or its reason said
 
 
@@ -54,6 +56,11 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
+def repo_file(name: str) -> str:
+    """A run's model or stack: a preset name as it is, a configs/ file from the repository's root."""
+    return str(REPO / name) if name.startswith("configs/") else name
+
+
 def megatron_step(cfg: ModelConfig, seq_len: int, sequences: int, gpus: int, tflops: float) -> float:
     """Seconds per step implied by `tflops` per GPU in Megatron's count with full recomputation (Narayanan et al.
     2021, eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh), the FLOPs of a forward, a recomputed forward and a backward)."""
@@ -66,7 +73,7 @@ def runs() -> list[Run]:
     """The published runs of docs/PUBLISHED_RUNS.md's "Many sizes" table."""
     llama = dict(tp=8, cp=1, pp=16, ep=1)
     ds_seconds = 4096 * 15360 / (2048 * 1e12 / (180_000 * 3600))
-    bloom, _ = planned_model("configs/models/bloom-176b.toml")
+    bloom, _ = planned_model(repo_file("configs/models/bloom-176b.toml"))
     mtnlg = [(2240, 8, 60.1), (2800, 10, 50.2), (3360, 12, 44.4)]
     titan = "torchtitan docs/performance.md (64 A100 80GB, FSDP2): "
     return [
@@ -116,6 +123,13 @@ def runs() -> list[Run]:
     ]
 
 
+def parallelism_only(run: Run) -> bool:
+    """Whether the run needs nothing beyond chapters 00-11 (chapter 12's rows): 1F1B or interleaved pipelines, no
+    FP8 (chapter 16), no multi-token prediction."""
+    return set(load_stack(repo_file(run.stack)).schedules) <= {"1f1b", "interleaved"} and not run.recipe.fp8 and \
+        not run.recipe.mtp_depth
+
+
 @dataclass(frozen=True)
 class Predicted:
     run: Run
@@ -132,8 +146,8 @@ class Predicted:
 
 def predict(run: Run) -> Predicted:
     """The planner's search for the run, restricted to its published settings and its stack's abilities."""
-    cfg, _ = planned_model(run.model)
-    stack = load_stack(run.stack)
+    cfg, _ = planned_model(repo_file(run.model))
+    stack = load_stack(repo_file(run.stack))
     cluster = stack_cluster(cluster_for_chip(run.chip, efficiency=None), stack)
     restrict = of_stack(stack).joined(Restrict(tuple((k, (v,)) for k, v in run.layout.items())))
     plan = search(cfg, run.gpus, run.seq_len, run.seq_len * run.sequences, cluster, stack.precision, run.recipe,
