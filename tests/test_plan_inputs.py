@@ -129,8 +129,10 @@ def test_restrict_and_micro_batch_size_bound_every_layout(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(r["zero"] in (0, 1) and r["cp"] == 1 and r["recompute"] == "none" for r in rows)
     assert all(r["schedule"] == "1f1b" and r["dp"] * 4 * r["microbatches"] == 256 for r in rows)
-    assert main(["--model", "tiny", *SMALL, "--micro-batch-size", "3", "--explain", "dp=8"]) == 2
-    assert "dp x B = 24 does not divide the 256 sequences" in capsys.readouterr().err
+    assert main(["--model", "tiny", *SMALL, "--micro-batch-size", "64", "--explain", "dp=8"]) == 2
+    assert "dp x B = 512 does not divide the 256 sequences" in capsys.readouterr().err
+    assert main(["--model", "tiny", *SMALL, "--micro-batch-size", "3"]) == 2
+    assert "--micro-batch-size 3 does not divide the 256 sequences" in capsys.readouterr().err
 
 
 def test_tp_beyond_a_node_is_searched_where_nothing_inside_one_fits(capsys):

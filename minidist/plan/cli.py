@@ -250,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.gemm_table is not None:
             cluster = dataclasses.replace(cluster, gemm_table=gpu_table(load_gemm_table(args.gemm_table)))
         sequences = global_batch_sequences(tokens, seq_len)
+        if args.micro_batch_size and sequences % args.micro_batch_size:
+            raise ValueError(f"--micro-batch-size {args.micro_batch_size} does not divide the {sequences} sequences of "
+                             "the global batch: no dp x B can")
         settings = parse_settings(args.explain) if args.explain is not None else None
         settings = settings and _settings_with_b(settings, args.micro_batch_size, sequences)
         layouts = read_layout_file(args.explain_file) if args.explain_file is not None else None
