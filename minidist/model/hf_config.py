@@ -56,7 +56,7 @@ def check_sizes(cfg: ModelConfig, where: str = "model") -> ModelConfig:
     try:
         return cfg.validate()
     except ValueError as e:
-        raise HFConfigError(f"{where} is not a valid model: {e}") from None
+        raise HFConfigError(f"{where} does not make a valid model: {e}") from None
 
 
 def _positive_int(config: dict, key: str, default: Any = None) -> int:
