@@ -45,7 +45,7 @@ def test_token_counts_are_powers_of_two():
 @pytest.mark.parametrize("argv, needle", [
     (["--seq-len", "8192", "--global-batch-tokens", "4194305"], "4,194,305 is not a multiple of --seq-len 8192"),
     (["--gpu", "RTX-9090"], "--gpu 'RTX-9090' is unknown"),
-    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--model", "gpt5"], "--model 'gpt5' is neither a preset"),
     (["--gpus", "0"], "--gpus must be >= 1"),
 ])
 def test_bad_input_is_one_line(capsys, argv, needle):

@@ -17,12 +17,12 @@ Keys that do not change the function (token ids, dtype, generation settings) are
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from minidist.model.config import ModelConfig, RopeScalingConfig
+from minidist.model.config import ModelConfig
+from minidist.model.hf_config import HFConfigError, llama_config
 from minidist.model.rope import interleaved_to_half_permutation
 
 
@@ -42,7 +42,6 @@ ROTATED = ("attn.wq.weight", "attn.wk.weight")  # output rows in the RoPE layout
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Older checkpoints stored this derived buffer; it is recomputed from the config, so it is skipped.
 DERIVED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
-MAX_LAYERS = 4096
 
 
 def hf_name(name: str) -> str:
@@ -148,118 +147,13 @@ def to_hf_state(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple
 # HF -> minidist
 
 
-def _positive_int(config: dict, key: str, default: Any = None) -> int:
-    value = config.get(key, default)
-    if type(value) is not int or value < 1:
-        raise ConvertError(f"config.json {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_float(config: dict, key: str, default: Any = None, where: str = "config.json") -> float:
-    value = config.get(key, default)
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise ConvertError(f"{where} {key} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _rope_parameters(config: dict) -> dict[str, Any]:
-    """transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling` (None or a dict)."""
-    params = config.get("rope_parameters")
-    if params is None:
-        scaling = config.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ConvertError(f"config.json rope_scaling must be null or an object, got {scaling!r}")
-        params = {"rope_theta": config.get("rope_theta", 10000.0), **(scaling or {})}
-    if not isinstance(params, dict):
-        raise ConvertError(f"config.json rope_parameters must be an object, got {params!r}")
-    return params
-
-
-def _rope_scaling(config: dict, params: dict[str, Any]) -> RopeScalingConfig:
-    kind = params.get("rope_type", params.get("type", "default"))
-    known = {"default": set(), "linear": {"factor"},
-             "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}}
-    if kind not in known:
-        raise ConvertError(f"config.json rope_type {kind!r} is not supported; minidist computes {sorted(known)}")
-    extra = sorted(set(params) - known[kind] - {"rope_type", "type", "rope_theta"})
-    if params.get("partial_rotary_factor", 1.0) == 1.0:  # the full head rotated: what minidist does
-        extra = [k for k in extra if k != "partial_rotary_factor"]
-    if extra:  # attention_factor, mscale, ...: a function minidist does not compute
-        raise ConvertError(f"config.json rope parameters {extra} are not supported for rope_type {kind!r}; "
-                           f"supported: {sorted(known[kind]) or 'none besides rope_theta'}")
-    where = "config.json rope parameter"
-    if kind == "default":
-        return RopeScalingConfig()
-    factor = _positive_float(params, "factor", where=where)
-    if factor < 1.0:
-        raise ConvertError(f"{where} factor must be >= 1 (it stretches the context), got {factor}")
-    if kind == "linear":
-        return RopeScalingConfig(kind="linear", factor=factor)
-    if params.get("truncate", True) is not True:
-        raise ConvertError("config.json rope parameter truncate=false is not supported (minidist floors and ceils "
-                           "YaRN's correction range, truncate=true)")
-    original = params.get("original_max_position_embeddings", config.get("max_position_embeddings"))
-    if type(original) is not int or original < 1:
-        raise ConvertError(f"{where} original_max_position_embeddings must be a positive integer, got {original!r}")
-    # transformers reads a beta of 0 or null as its default (`or 32`), and so does this.
-    beta_fast = _positive_float(params, "beta_fast", where=where) if params.get("beta_fast") else 32.0
-    beta_slow = _positive_float(params, "beta_slow", where=where) if params.get("beta_slow") else 1.0
-    return RopeScalingConfig(kind="yarn", factor=factor, original_max_seq_len=original, beta_fast=beta_fast,
-                             beta_slow=beta_slow)
-
-
 def model_config_from_hf(config: dict[str, Any], rope_layout: str = "half") -> ModelConfig:
-    """The minidist ModelConfig of a Llama-family config.json; one-line ConvertError for anything else."""
-    if not isinstance(config, dict):
-        raise ConvertError(f"config.json must hold a JSON object, got {type(config).__name__}")
-    if config.get("model_type") != "llama":
-        raise ConvertError(f"config.json model_type is {config.get('model_type')!r}; only Llama-family checkpoints "
-                           "(model_type 'llama', LlamaForCausalLM) convert")
-    architectures = config.get("architectures", ["LlamaForCausalLM"])
-    if architectures != ["LlamaForCausalLM"]:
-        raise ConvertError(f"config.json architectures is {architectures!r}; only ['LlamaForCausalLM'] converts")
-    refused = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-               "attention_dropout": 0.0}
-    for key, fits in refused.items():
-        if key in config and config[key] != fits:
-            raise ConvertError(f"config.json {key}={config[key]!r} is not supported; minidist's Llama has "
-                               f"{key}={fits!r}")
-    if rope_layout not in ("half", "interleaved"):
-        raise ConvertError(f"rope layout {rope_layout!r} is unknown; choose half or interleaved")
-    ints = {key: _positive_int(config, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
-                                                        "num_hidden_layers", "num_attention_heads",
-                                                        "max_position_embeddings")}
-    if ints["num_hidden_layers"] > MAX_LAYERS:  # the names a config implies are listed before any file is read
-        raise ConvertError(f"config.json num_hidden_layers={ints['num_hidden_layers']} is more than {MAX_LAYERS}; "
-                           "no Llama has that many (Llama 3.1 405B has 126)")
-    heads = ints["num_attention_heads"]
-    kv_heads = _positive_int(config, "num_key_value_heads", heads)
-    if ints["hidden_size"] % heads or heads % kv_heads:
-        raise ConvertError(f"config.json heads do not divide: hidden_size {ints['hidden_size']}, "
-                           f"num_attention_heads {heads}, num_key_value_heads {kv_heads} (need heads | hidden_size "
-                           "and key-value heads | heads)")
-    head_dim = config.get("head_dim") or ints["hidden_size"] // heads
-    if head_dim != ints["hidden_size"] // heads or head_dim % 2:
-        raise ConvertError(f"config.json head_dim {head_dim!r} is not supported; minidist needs head_dim = "
-                           f"hidden_size / num_attention_heads = {ints['hidden_size'] // heads}, even")
-    tied = config.get("tie_word_embeddings", False)  # LlamaConfig's default when the key is absent
-    if type(tied) is not bool:
-        raise ConvertError(f"config.json tie_word_embeddings must be true or false, got {tied!r}")
-    params = _rope_parameters(config)
-    base = _positive_float(params, "rope_theta", 10000.0, where="config.json rope parameter")
-    if base <= 1.0:
-        raise ConvertError(f"config.json rope_theta must be > 1, got {base}")
-    cfg = ModelConfig(
-        vocab_size=ints["vocab_size"], d_model=ints["hidden_size"], n_layers=ints["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=kv_heads, d_ff=ints["intermediate_size"],
-        max_seq_len=ints["max_position_embeddings"], norm_eps=_positive_float(config, "rms_norm_eps", 1e-6),
-        tie_embeddings=tied, rope_base=base, rope_layout=rope_layout, rope_scaling=_rope_scaling(config, params),
-        init_std=_positive_float(config, "initializer_range", 0.02),
-    )
+    """The minidist ModelConfig of a Llama-family config.json (`model.hf_config.llama_config`: every value checked,
+    hostile sizes capped); one-line ConvertError for anything else."""
     try:
-        return cfg.validate()
-    except ValueError as e:
-        raise ConvertError(f"config.json does not make a valid model: {e}") from None
+        return llama_config(config, rope_layout)
+    except HFConfigError as e:
+        raise ConvertError(str(e)) from None
 
 
 def from_hf_state(hf_config_dict: dict[str, Any], hf_state: dict[str, torch.Tensor], rope_layout: str = "half"

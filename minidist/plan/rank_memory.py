@@ -68,12 +68,14 @@ class Precision:
     fused: bool = False  # fused RMSNorm, RoPE and SwiGLU kernels keep only their inputs (and RMSNorm's 1/rms)
     sp_regather: bool = False  # an SP column-parallel linear keeps its input sharded, gathers it again backward
     fp8_saved: bool = False  # DeepSeek-V3's: FP8 copies, norms and MLA's up-projections recomputed (`deepseek_saves`)
+    master: float = 0  # of `optimizer`, the bytes of the fp32 master copy (shown apart; sharded alike)
+    grad_buffer: str = "sharded"  # "full": `grad` bytes for every parameter of the rank whatever the ZeRO stage
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
 FP32 = Precision(param=4, grad=4, optimizer=8, activation=4, residual=4)
 # Mixed precision as in ZeRO §3.1 and Megatron-LM: bf16 weights and gradients, fp32 master copy and moments.
-BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
+BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2, master=4)
 # The same with Megatron-LM's kernels, as the published large runs use them (Korthikanti et al. 2022, §4.2.2: with
 # sequence parallelism every saved activation of a block is split over tp): a fused RMSNorm that keeps its bf16
 # input and 1/rms; RoPE applied inside a fused kernel that keeps nothing (q and k kept once, as the attention's
@@ -81,12 +83,12 @@ BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2)
 # second linear keeps its own input: 3 of the trainer's 4 tensors of the feed-forward's width); sequence-parallel
 # linears that keep their input sharded and all-gather it again in the backward
 # (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
-BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True)
+BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True, master=4)
 # DeepSeek-V3's stack (DeepSeek-AI 2024, §3.3.3): the AdamW moments in BF16, the master weights and the gradients
 # (accumulated over the micro-batches) kept in FP32: 4 + 2 + 2 bytes of optimizer state, 4 of gradient; its kernels'
 # activations (`deepseek_saves`: FP8 copies, §3.3.2; norms and MLA's up-projections recomputed, §3.2.3), Megatron-LM's
 # under full recomputation (each block's input).
-BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True, fp8_saved=True)
+BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True, fp8_saved=True, master=4)
 PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # the planner's --kernels
 
 
@@ -202,12 +204,15 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0, mtp_depth: int
 def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = FP32,
                       stage: int = 0, mtp_depth: int = 0) -> dict[str, float]:
     """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group
-    (`memory.model_state_bytes` of each kind of parameter; `Precision.optimizer` includes the master copy)."""
+    (`memory.model_state_bytes` of each kind of parameter; `Precision.optimizer` includes the master copy; a
+    `Precision.grad_buffer` "full" keeps every gradient of the rank's shard whatever the stage)."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for kind, n in rank_params(cfg, layout, stage, mtp_depth).items():
         states = memory.model_state_bytes(n, precision.param, precision.grad, master_bytes=0,
                                           optimizer_bytes=precision.optimizer, zero=layout.options.zero,
                                           dp=layout.replicas[kind])
+        if precision.grad_buffer == "full":  # one buffer for the rank's whole shard, whatever the ZeRO stage
+            states["grads"] = precision.grad * n
         for part in out:
             out[part] += states[part]
     return out

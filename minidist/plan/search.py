@@ -10,8 +10,10 @@ with `--fp8`, the α-β model per dimension over NVLink or the network, the bubb
 what overlaps, DualPipeV's overlapped pairs; node-limited routing with `--max-nodes`).
 The rules that bound the search (each refused layout is counted with its reason):
 
-* tp divides the heads and stays inside a node (it talks several times per layer); sequence parallel is on
-  whenever tp > 1 (the same bytes as plain TP, less activation memory);
+* tp divides the heads; beyond a node its all-reduces cross the network (`hardware.link_of`), which the step time
+  charges: it keeps the compute per GPU and sends its all-reduces over the network several times a layer, so it
+  is tried only for a (pp, cp) where no layout with tp inside a node fits (the smaller degrees are searched
+  first); sequence parallel is on whenever tp > 1 (the same bytes as plain TP, less activation memory);
 * cp divides the sequence into 2·cp chunks (the ring's zig-zag split) of together at least `MIN_CP_TOKENS` tokens
   per rank; pp ≤ layers, the interleaved schedule and ZB-H1 need micro-batches ≥ pp, ZB-V and DualPipeV ≥ 2·pp;
   chunks may be uneven (pp·v ≤ layers + 2: the embedding and the head take a layer's slot, as in Llama 3; the
@@ -20,7 +22,9 @@ The rules that bound the search (each refused layout is counted with its reason)
   (fewer leave every stage idle over half the step); without a pipeline, more micro-batches than the fewest that
   fit are never faster, so the search stops there;
 * ep divides dp·cp and the number of experts;
-* a layout that fits with less recomputation is not listed again with more (never faster).
+* a layout that fits with less recomputation is not listed again with more (never faster);
+* what the stack can run and `--restrict` names (`restrict.Restrict`); with `--micro-batch-size B` the
+  micro-batches are the replica's sequences / B, and a dp whose dp·B does not divide the global batch is refused.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from minidist.plan.rank_memory import (
     estimate_memory,
     precision_words,
 )
+from minidist.plan.restrict import ANYTHING, Restrict
 from minidist.plan.step_time import DEFAULT_RECIPE, Recipe, StepTime, predict_step, token_flops
 
 # Context parallelism below this many tokens per rank multiplies small matmuls and messages, whose inefficiency the
@@ -135,20 +140,22 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 def most_gpus(cfg: ModelConfig, seq_len: int, sequences: int, gpus_per_node: int) -> int:
-    """The most GPUs any layout of the search can use: every sequence its own replica, tp a node, cp down to
+    """The most GPUs any layout of the search can use: every sequence its own replica, tp a head each, cp down to
     `MIN_CP_TOKENS` per rank, a stage per layer."""
-    return sequences * min(gpus_per_node, cfg.n_heads) * max(seq_len // MIN_CP_TOKENS, 1) * cfg.n_layers
+    return sequences * cfg.n_heads * max(seq_len // MIN_CP_TOKENS, 1) * cfg.n_layers
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, cluster: Cluster,
-                      refused: Counter) -> typing.Iterator[Layout]:
-    """Every layout of the search space that the rules admit; refused grid points are counted by reason."""
-    experts = cfg.moe.n_experts
+                      refused: Counter, restrict: Restrict = ANYTHING) -> typing.Iterator[Layout]:
+    """Every layout of the search space that the rules and `restrict` admit; refused grid points are counted by
+    reason."""
+    experts, size = cfg.moe.n_experts, restrict.micro_batch_size
+    sp = restrict.values("sequence_parallel") != (False,)  # a stack without sequence parallelism
     for tp, cp in itertools.product(_divisors(gpus), _divisors(gpus)):
-        if gpus % (tp * cp):
+        if gpus % (tp * cp) or not (restrict.admits_degree("tp", tp) and restrict.admits_degree("cp", cp)):
             continue
-        if tp > 1 and (cfg.n_heads % tp or tp > cluster.gpus_per_node):
-            refused[f"tp={tp}: must divide {cfg.n_heads} heads and fit a node of {cluster.gpus_per_node}"] += 1
+        if tp > 1 and cfg.n_heads % tp:
+            refused[f"tp={tp}: must divide {cfg.n_heads} heads"] += 1
             continue
         if cp > 1 and seq_len % (2 * cp):
             refused[f"cp={cp}: the {seq_len}-token sequence does not split into 2·cp chunks"] += 1
@@ -158,6 +165,8 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
             continue
         for pp in _divisors(gpus // (tp * cp)):
             dp = gpus // (tp * cp * pp)
+            if not (restrict.admits_degree("pp", pp) and restrict.admits_degree("dp", dp)):
+                continue
             if pp > cfg.n_layers:
                 refused[f"pp={pp}: more stages than the {cfg.n_layers} layers"] += 1
                 continue
@@ -166,18 +175,24 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int,
                 continue
             eps = [e for e in _divisors(math.gcd(dp * cp, experts))] if experts else [1]
             per_replica = sequences // dp
+            if size and per_replica % size:
+                refused[f"dp={dp}: dp x B = {dp * size} does not divide the {sequences} sequences"] += 1
+                continue
             # Fewer micro-batches than stages would leave every stage idle for over half the step.
-            micro = [m for m in _divisors(per_replica) if m >= pp or m == per_replica]
-            if len(micro) < len(_divisors(per_replica)):
+            micro = [per_replica // size] if size else \
+                [m for m in _divisors(per_replica) if m >= pp or m == per_replica]
+            if not size and len(micro) < len(_divisors(per_replica)):
                 refused[f"pp={pp}: fewer micro-batches than stages (bubble over half the step)"] += 1
             recomputes = ("none", "full") if cp > 1 else ("none", "selective", "full")  # as the trainer runs them
             impls = CP_IMPLS if cp > 1 else ("ring",)
             for ep, zero, m, recompute, impl in itertools.product(eps, range(4), micro, recomputes, impls):
                 dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                 for schedule, v in pipeline_schedules(cfg.n_layers, pp, m):
-                    options = ParallelOptions(sequence_parallel=tp > 1, schedule=schedule, microbatches=m,
+                    options = ParallelOptions(sequence_parallel=tp > 1 and sp, schedule=schedule, microbatches=m,
                                               virtual_stages=v, zero=zero, cp_impl=impl)
-                    yield Layout(dims, options, recompute)
+                    layout = Layout(dims, options, recompute)
+                    if restrict.admits(layout):
+                        yield layout
 
 
 def pipeline_schedules(n_layers: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
@@ -212,8 +227,9 @@ def check_search(cfg: ModelConfig, gpus: int, seq_len: int, sequences: int, clus
 
 
 def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluster: Cluster,
-           precision: Precision = BF16_MIXED, recipe: Recipe = DEFAULT_RECIPE) -> Plan:
-    """Every admitted layout with its memory and predicted step time, split by whether it fits the chip."""
+           precision: Precision = BF16_MIXED, recipe: Recipe = DEFAULT_RECIPE, restrict: Restrict = ANYTHING) -> Plan:
+    """Every admitted layout (`restrict`: what the stack and the user allow) with its memory and predicted step
+    time, split by whether it fits the chip."""
     sequences = global_batch_sequences(global_tokens, seq_len)
     check_search(cfg, gpus, seq_len, sequences, cluster, precision, recipe)
     cfg = mtp.with_mtp(cfg, recipe.mtp_depth)  # its blocks as layers after the last, for the stages to split
@@ -224,13 +240,16 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
     time_memo: dict = {}  # and of the step time (`predict_step`)
     fits_with: dict[tuple, int] = {}  # without a pipeline: the fewest micro-batches that fit, per other settings
     fits_lighter: set[tuple] = set()  # (dims, options) of layouts that fit with less recomputation
+    fits_in_node: set[tuple] = set()  # (pp, cp) with a layout that fits with tp inside a node
     ring_over: set[tuple] = set()  # ring-attention layouts over the budget, but for their cp_impl
-    for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused):
+    for layout in candidate_layouts(cfg, gpus, seq_len, sequences, cluster, refused, restrict):
         dims, o, m = layout.dims, layout.options, layout.options.microbatches
         lighter = (layout.dims, layout.options)
         # the settings a search varies, less the micro-batches and the context-parallel implementation (the options
         # `candidate_layouts` holds fixed, e.g. loss_chunk, are left out: add any it comes to vary)
         settings = (dims, o.schedule, o.virtual_stages, o.zero, layout.recompute)
+        if dims.tp > cluster.gpus_per_node and (dims.pp, dims.cp) in fits_in_node:
+            continue  # tp over the network: a memory measure, tried where tp inside a node fits nothing
         if lighter in fits_lighter:
             # none, selective, full come in that order: more recomputation of a layout that fits with less is
             # never faster (the same communication or more, the same compute or more), so it is not evaluated
@@ -257,6 +276,7 @@ def search(cfg: ModelConfig, gpus: int, seq_len: int, global_tokens: int, cluste
             ring_over.add((settings, m))
         elif candidate.fits:
             fits_lighter.add(lighter)
+            fits_in_node.update([(dims.pp, dims.cp)] if dims.tp <= cluster.gpus_per_node else [])
             if dims.pp == 1:
                 fits_with.setdefault(others, m)
     feasible.sort(key=lambda c: (c.time.total, c.memory.total))  # equal times: the smaller footprint first
