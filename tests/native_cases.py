@@ -136,8 +136,21 @@ def fsdp_case(topo: Topology) -> dict:
         out["losses"].append(comm.all_reduce(loss.detach().clone()).item() / world)
     if rank:
         out["grads"] = None
+    out["gathered_with_prefetch"] = _fsdp_prefetching(topo)
     out["zero3"] = _zero3(topo)
     return out
+
+
+def _fsdp_prefetching(topo: Topology) -> list:
+    """What FSDP2 has gathered as each unit's forward starts once told to prefetch like ZeRO-3."""
+    model = build_model(parity.CFG, seed=parity.SEED)
+    fsdp.fully_shard_model(model, mesh.device_mesh(topo.dims, "replicas")["dp_cp"])
+    fsdp.prefetch_like_zero3(model)
+    record, remove = fsdp.gathered_units([*model.blocks, model], fsdp.fsdp_unit_gathered)
+    (x, y), = split_batch(*parity.global_batch(0), topo.coord("dp_cp"), topo.size("dp_cp"))
+    lm_loss(model(x), y).backward()
+    remove()
+    return record
 
 
 def _zero3(topo: Topology) -> dict:
@@ -226,7 +239,8 @@ def pp_case(topo: Topology) -> dict:
         close = all(torch.allclose(a, b, rtol=parity.GRAD_RTOL, atol=parity.GRAD_ATOL) for a, b in grads.values())
         out[schedule] = {"ours": ours, "theirs": theirs, "grads_equal": close, "n_grads": len(grads),
                          "actions": (pipelining.minidist_actions(schedule, pp, PP_MICROBATCHES),
-                                     pipelining.torch_actions(theirs_schedule.pipeline_order))}
+                                     pipelining.torch_actions(theirs_schedule.pipeline_order,
+                                                             schedule in ("zbv", "dualpipev")))}
     return out
 
 
@@ -251,3 +265,26 @@ def results(world: int, dcp_dir: str = "", dcp_out: str = "") -> list[dict]:
     """Per-rank results of `run_all(world)` (one launch per world size per test session); at world 2 with
     `dcp_dir`, the FSDP2 continuation of that DCP checkpoint, saved to `dcp_out`."""
     return run_ranks(run_all, world, world, dcp_dir, dcp_out, timeout=300, threads_per_rank=1)
+
+
+def fake_backend_mesh_mismatches(dims: ParallelDims) -> list[str]:
+    """Every rank of `dims` played in this process on torch's fake backend (no other process, no communication):
+    DeviceMesh's group and coordinate of each mesh dimension against minidist's `group_ranks` and `coordinates`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from minidist.comm.topology import coordinates, group_ranks
+
+    wrong = []
+    for rank in range(dims.world_size):
+        dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
+        try:
+            for kind, names in mesh.MESH_DIMS.items():
+                dm = mesh.device_mesh(dims, kind)
+                for name in names:
+                    ours = next(g for g in group_ranks(dims, name) if rank in g), coordinates(dims, rank)[name]
+                    theirs = dist.get_process_group_ranks(dm.get_group(name)), dm.get_local_rank(name)
+                    if ours != theirs:
+                        wrong.append(f"{dims} rank {rank} {kind} {name}: minidist {ours}, DeviceMesh {theirs}")
+        finally:
+            dist.destroy_process_group()
+    return wrong

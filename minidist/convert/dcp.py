@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +78,12 @@ def full_run_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, d
     return weights, state
 
 
-def to_dcp(run_out: Path, out: Path) -> tuple[Path, int]:
-    """Write the latest checkpoint of RUN_OUT as a DCP checkpoint in OUT; return (its step dir, step)."""
+def to_dcp(step_dir: Path, cfg: ModelConfig, out: Path) -> int:
+    """Write a run's checkpoint (`runs.latest_checkpoint`: its step dir and model) as a DCP checkpoint in OUT, a new
+    directory; return its step."""
     import torch.distributed.checkpoint as dcp
 
-    from minidist.convert.runs import latest_checkpoint
-
     hf_files.check_new_dir(out)
-    step_dir, cfg = latest_checkpoint(run_out)
     _check_llama(cfg)
     step = int(step_dir.name.split("_")[1])
     try:
@@ -102,7 +101,7 @@ def to_dcp(run_out: Path, out: Path) -> tuple[Path, int]:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(out))
     meta = checkpoint.load_meta(step_dir.parent, step)
     (Path(out) / RUN_FILE).write_text(json.dumps({"config": meta["config"], "step": step}, indent=1) + "\n")
-    return step_dir, step
+    return step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,10 +147,9 @@ def read_dcp(dcp_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def from_dcp(dcp_dir: Path, run_out: Path) -> Path:
-    """Make RUN_OUT a run at DCP_DIR's step holding its weights and Adam state; return the TOML to resume with."""
-    from minidist.convert.runs import finetune_toml
-
+def from_dcp(dcp_dir: Path, run_out: Path, settings_toml: Callable[[Any], str]) -> Path:
+    """Make RUN_OUT a run at DCP_DIR's step holding its weights and Adam state; return the TOML to resume with,
+    written by `settings_toml(config)` (`runs.finetune_toml`)."""
     values = read_run_file(dcp_dir)
     try:
         cfg = dataclasses.replace(config_from_values(values), out=str(run_out), resume=False, overwrite=False,
@@ -174,7 +172,7 @@ def from_dcp(dcp_dir: Path, run_out: Path) -> Path:
     adam = {kind: titan_model.from_titan(mcfg, {t: state[optimizer_key(t, kind)]
                                                 for t in map(titan_model.titan_name, expected_shapes(mcfg))})
             for kind in (*MOMENTS, "step")}
-    text = finetune_toml(cfg)
+    text = settings_toml(cfg)
     _save_run_at(dataclasses.replace(cfg, device="cpu"), weights, adam, step)
     path = Path(run_out) / RUN_TOML
     path.write_text(text)

@@ -266,10 +266,12 @@ def _run_dcp_command(args) -> None:
     from minidist.convert import dcp
 
     if args.command == "to-dcp":
-        step_dir, step = dcp.to_dcp(args.run_out, args.dcp_dir)
+        hf_files.check_new_dir(args.dcp_dir)  # before the (long) read of the checkpoint
+        step_dir, cfg = latest_checkpoint(args.run_out)
+        step = dcp.to_dcp(step_dir, cfg, args.dcp_dir)
         print(f"wrote {args.dcp_dir} (step {step}) from {step_dir}")
     else:
-        toml = dcp.from_dcp(args.dcp_dir, args.run_out)
+        toml = dcp.from_dcp(args.dcp_dir, args.run_out, finetune_toml)
         print(f"wrote {args.run_out}; continue with: python -m minidist.train --config {toml} --resume")
 
 

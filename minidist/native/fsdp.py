@@ -41,6 +41,18 @@ def fully_shard_model(model: nn.Module, mesh, precision: CommPrecision | None = 
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def prefetch_like_zero3(model: nn.Module) -> None:
+    """Set FSDP2's explicit prefetching to what minidist's ZeRO-3 does (`ShardedParams._prefetch_after`): in the
+    forward the root and each block start the next block's all-gather; in the backward each block starts the one
+    before it (FSDP2's default gathers a block's parameters when its forward starts, and on a CPU nothing runs
+    ahead; it prefetches the backward implicitly)."""
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+        block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+
+
 def local_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the parameters this rank keeps between steps (a DTensor's local shard, padding included)."""
     from torch.distributed.tensor import DTensor

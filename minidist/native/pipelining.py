@@ -10,8 +10,9 @@ Both sides are schedules as data: minidist's `build_any_schedule` lists `Action(
 schedule object its `pipeline_order` ({rank: [_Action(stage, type, mb) or None]}). `compute_actions` writes both
 in one notation, "F3c1" (forward of micro-batch 3 through chunk 1), "B", "W", so they can be compared line by line.
 torch calls the input-gradient half of a split backward "I" and the whole backward "B"; minidist calls the first
-"B" when a "W" follows: both are written B here. DualPipeV's overlapped forward-backward pairs are flattened into
-their two actions, and torch's bubbles (None) are dropped.
+"B" when a "W" follows: both are written B here, and in a schedule that splits the backward (zbv, dualpipev) torch's
+whole backward is written as its two halves, B then W at once. DualPipeV's overlapped forward-backward pairs are
+flattened into their two actions, and torch's bubbles (None) are dropped.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class TorchChunk(nn.Module):
 def torch_schedule(schedule: str, model: Transformer, chunks: list[int], pp: int, microbatches: int, group,
                    loss_fn, device: torch.device):
     """(torch's schedule object, the chunk modules) for this rank's `chunks` of `model` under `schedule`."""
-    from torch.distributed import pipelining
+    import torch.distributed.pipelining as pipelining
 
     n_chunks = pp * CHUNKS_PER_RANK[schedule]
     modules = nn.ModuleList(TorchChunk(model, c, n_chunks) for c in chunks)
@@ -58,8 +59,9 @@ def action_name(kind: str, mb: int, chunk: int) -> str:
     return f"{kind}{mb}c{chunk}"
 
 
-def torch_actions(pipeline_order: dict[int, list]) -> list[list[str]]:
-    """Each rank's compute actions of a torch schedule's `pipeline_order`, in order, in the common notation."""
+def torch_actions(pipeline_order: dict[int, list], split_backward: bool = False) -> list[list[str]]:
+    """Each rank's compute actions of a torch schedule's `pipeline_order`, in order, in the common notation
+    (`split_backward`: a whole backward written as B and W, as in minidist's zero-bubble schedules)."""
     out = []
     for rank in sorted(pipeline_order):
         names = []
@@ -68,6 +70,8 @@ def torch_actions(pipeline_order: dict[int, list]) -> list[list[str]]:
                 kind = TORCH_KINDS.get(a.computation_type.value)
                 if kind is not None:
                     names.append(action_name(kind, a.microbatch_index, a.stage_index))
+                if split_backward and a.computation_type.value == "B":
+                    names.append(action_name("W", a.microbatch_index, a.stage_index))
         out.append(names)
     return out
 
