@@ -57,9 +57,11 @@ def to_titan_state(state: dict[str, torch.Tensor], head_dim: int, rope_layout: s
 
     Names (torchtitan 0.3.0, the names its `Llama3StateDictAdapter` maps to Hugging Face's):
         tok_emb.weight -> tok_embeddings.weight;  norm.weight, lm_head.weight unchanged;
-        blocks.i.attn_norm.weight -> layers.i.attention_norm.weight;  blocks.i.mlp_norm.weight -> layers.i.ffn_norm.weight
+        blocks.i.attn_norm.weight -> layers.i.attention_norm.weight
+        blocks.i.mlp_norm.weight -> layers.i.ffn_norm.weight
         blocks.i.attn.w{q,k,v}.weight -> layers.i.attention.qkv_linear.w{q,k,v}.weight
-        blocks.i.attn.wo.weight -> layers.i.attention.wo.weight;  blocks.i.mlp.w{1,2,3}.weight -> layers.i.feed_forward.w{1,2,3}.weight
+        blocks.i.attn.wo.weight -> layers.i.attention.wo.weight
+        blocks.i.mlp.w{1,2,3}.weight -> layers.i.feed_forward.w{1,2,3}.weight
 
     RoPE layout: torchtitan rotates the pairs (2i, 2i + 1) of each head ("interleaved", complex numbers). A minidist
     model in the "half" layout (pairs (i, i + d/2)) must have the output rows of W_q and W_k permuted, head by head

@@ -51,8 +51,8 @@ def test_ch18_dtensor_placements(impl: str, case: str, grad: bool) -> None:
     split = placement.splits.get("tp")
     if split is not None and split.dim is not None and any(
             getattr(p, "dim", None) == 1 - split.dim for p in got if p.is_shard()):
-        hint = " — the Split's dim is the tensor dim that is cut: a column-parallel weight [out, in] is cut along dim " \
-               "0 (its output rows), a row-parallel one along dim 1"
+        hint = " — the Split's dim is the tensor dim that is cut: a column-parallel weight [out, in] is cut along " \
+               "dim 0 (its output rows), a row-parallel one along dim 1"
     elif grad and any(p.is_replicate() for p in got) and any(p.is_partial() for p in want):
         hint = " — a gradient is still a per-rank summand over the dimensions its parameter is replicated on: Partial"
     elif not grad and any(p.is_partial() for p in got):
