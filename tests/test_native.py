@@ -6,6 +6,7 @@ launch per world size (tests/native_cases.py)."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import io
 import os
@@ -200,6 +201,7 @@ def _runs() -> dict[str, Path]:
         import tempfile
 
         root = Path(tempfile.mkdtemp(prefix="minidist_dcp_"))
+        atexit.register(shutil.rmtree, root, True)
         config = lambda out, **kw: dp_cases.trainer_config(str(out), log_every=1, microbatches=1, steps=6, **kw)  # noqa: E731
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
