@@ -141,6 +141,39 @@ def fsdp_case(topo: Topology) -> dict:
     return out
 
 
+def mixed_precision_case(topo: Topology) -> dict:
+    """Three parity steps under bf16 autocast with bf16 parameter gathers and fp32 gradient reductions: minidist's
+    ZeRO-3 with that `CommPrecision`, FSDP2 with the `MixedPrecisionPolicy` `fsdp.mixed_precision_policy` makes."""
+    from minidist.parallel import ZeroOptimizer
+    from minidist.precision import CommPrecision
+
+    rank, world, comm = topo.coord("dp_cp"), topo.size("dp_cp"), topo.comm("dp_cp")
+    precision = CommPrecision(gather_dtype=torch.bfloat16)
+    out = {}
+    for side in ("zero3", "fsdp2"):
+        model = build_model(parity.CFG, seed=parity.SEED)
+        if side == "zero3":
+            engine = ZeroOptimizer(model, parity.make_optimizer(model.parameters()), comm, 3, comm_precision=precision)
+        else:
+            fsdp.fully_shard_model(model, mesh.device_mesh(topo.dims, "replicas")["dp_cp"], precision)
+            engine = parity.make_optimizer(model.parameters())
+        out[side] = []
+        for step in range(parity.STEPS):
+            (x, y), = split_batch(*parity.global_batch(step), rank, world)
+            with torch.autocast("cpu", torch.bfloat16):
+                logits = model(x)
+            loss = lm_loss(logits.float(), y)
+            loss.backward()
+            if side == "zero3":
+                engine.clip_grad_norm(parity.GRAD_CLIP)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), parity.GRAD_CLIP)
+            engine.step()
+            engine.zero_grad()
+            out[side].append(comm.all_reduce(loss.detach().clone()).item() / world)
+    return out
+
+
 def _fsdp_prefetching(topo: Topology) -> list:
     """What FSDP2 has gathered as each unit's forward starts once told to prefetch like ZeRO-3."""
     model = build_model(parity.CFG, seed=parity.SEED)
@@ -252,6 +285,7 @@ def run_all(world: int, dcp_dir: str, dcp_out: str) -> dict:
                "fsdp": fsdp_case(Topology(ParallelDims(dp=world), rank, world))}
     if world == 2:
         results["tp"] = tp_case(Topology(ParallelDims(tp=2), rank, world))
+        results["mixed"] = mixed_precision_case(Topology(ParallelDims(dp=2), rank, world))
         results["pp"] = pp_case(Topology(ParallelDims(pp=2), rank, world))
         if dcp_dir:
             import dcp_cases
