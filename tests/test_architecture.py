@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "trust": 4,
     "train": 5,
     "plan": 6, "debug": 6, "convert": 6,  # the tools on top: none of them imports another
+    "native": 6,  # chapter 18: minidist beside PyTorch's own stack, a tool too
 }
 LAYER_NAMES = ["comm", "model", "foundations", "parallel", "trust", "train", "plan/debug/convert"]
 

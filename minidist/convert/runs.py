@@ -241,13 +241,49 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("--rope-layout", choices=("half", "interleaved"), default="half",
                     help="RoPE layout of the minidist model (half: HF's, no permutation; interleaved: q/k rows "
                          "permuted by chapter 03's permutation)")
+    _add_dcp_commands(sub)
     return parser
+
+
+def _add_dcp_commands(sub) -> None:
+    """to-dcp / from-dcp (minidist.convert.dcp)."""
+    to = sub.add_parser("to-dcp", help="the latest checkpoint of a run (any layout) -> a torch.distributed.checkpoint "
+                                       "directory with torchtitan's names",
+                        description="Write the latest checkpoint of RUN_DIR (any layout): weights and Adam state, "
+                                    "full tensors under torchtitan's Llama 3 names and RoPE layout, by dcp.save; the "
+                                    "run's settings in OUT/minidist.json.")
+    to.add_argument("run_out", type=Path, metavar="RUN_DIR", help="the --out directory of a minidist run")
+    to.add_argument("dcp_dir", type=Path, metavar="OUT", help="a new (or empty) directory")
+    fr = sub.add_parser("from-dcp", help="a DCP directory written by to-dcp (or resharded since) -> a run that "
+                                         "`train --resume` continues",
+                        description="Read DCP_DIR (its .metadata as untrusted input) and make OUT a run at its step; "
+                                    "continue with: python -m minidist.train --config OUT/run.toml --resume "
+                                    "[layout flags].")
+    fr.add_argument("dcp_dir", type=Path, metavar="DCP_DIR", help="a DCP checkpoint directory with minidist.json")
+    fr.add_argument("run_out", type=Path, metavar="OUT", help="a new directory for the run")
+
+
+def _run_dcp_command(args) -> None:
+    from minidist.convert import dcp
+
+    if args.command == "to-dcp":
+        hf_files.check_new_dir(args.dcp_dir)  # before the (long) read of the checkpoint
+        step_dir, cfg = latest_checkpoint(args.run_out)
+        step = dcp.to_dcp(step_dir, cfg, args.dcp_dir)
+        print(f"wrote {args.dcp_dir} (step {step}) from {step_dir}")
+    else:
+        toml = dcp.from_dcp(args.dcp_dir, args.run_out, finetune_toml)
+        print(f"wrote {args.run_out}; continue with: python -m minidist.train --config {toml} --resume")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     try:
-        if args.command == "to-hf":
+        if args.command in ("to-dcp", "from-dcp"):
+            if rest:
+                raise ConvertError(f"{args.command} takes no other arguments, got {' '.join(rest)}")
+            _run_dcp_command(args)
+        elif args.command == "to-hf":
             if rest:
                 raise ConvertError(f"to-hf takes no other arguments, got {' '.join(rest)}")
             step_dir = to_hf(args.run_out, args.hf_dir, note=lambda line: print(line, file=sys.stderr))
