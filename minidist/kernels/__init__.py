@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+ATTENTION_KERNELS = ("sdpa", "triton")  # --attention-kernel: the model's SDPA core, or this package's
 HOW = "TRITON_INTERPRET=1 python -m minidist.train --attention-kernel triton ..."
 
 

@@ -37,7 +37,7 @@ def kv_range(start_m, seq_len, STARTS, row, CAUSAL: tl.constexpr, DOCS: tl.const
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, L, IDS, STARTS,
+def _forward_kernel(Q, K, V, OUT, L, IDS, STARTS,
                     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                     seq_len, heads, group, d_qk, d_v, scale,
                     CAUSAL: tl.constexpr, DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -79,6 +79,6 @@ def _forward_kernel(Q, K, V, O, L, IDS, STARTS,
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(O + b * so_b + h * so_h + rows[:, None] * so_s + dv[None, :], out.to(O.dtype.element_ty),
+    tl.store(OUT + b * so_b + h * so_h + rows[:, None] * so_s + dv[None, :], out.to(OUT.dtype.element_ty),
              mask=(rows[:, None] < seq_len) & (dv[None, :] < d_v))
     tl.store(L + bh * seq_len + rows, m_i + tl.log(l_safe), mask=rows < seq_len)

@@ -49,7 +49,7 @@ from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, quantization_snr
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.train import metrics, profiling, run_dir, run_state
-from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile
+from minidist.train.blocks import apply_recompute, compile_blocks, resolve_compile, use_attention_kernel
 from minidist.train.config import (
     ConfigError,
     RankConfigError,
@@ -92,6 +92,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     corpus = load_data(cfg)
     model = materialize.meta_model(mcfg)  # structure only: parallelize fills just what this rank keeps
     convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
+    use_attention_kernel(model, cfg.attention_kernel)  # before cp would swap the cores (refused together)
     if layout.recompute != "none":
         apply_recompute(model, layout.recompute)
     if resolve_compile(cfg.compile, device):

@@ -1,0 +1,68 @@
+"""Chapter 19's Triton FlashAttention-2 (minidist/kernels/), forward and backward, under Triton's interpreter on
+this CPU: equal to chapter 10's einsum reference and to SDPA (causal and not, MHA / GQA / MQA, MLA's 24/16 head
+sizes padded into 32/16 tiles, document masks), every sequence with a partial last tile; the tiles the masks hide
+are never visited; bad shapes are refused in one line.
+
+The interpreter is chosen when Triton decorates a kernel, from TRITON_INTERPRET in the environment: it is set for
+one child process (`tests/kernel_cases.py`), never in this one, where it would change every later Triton import.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 2e-5  # fp32, relative to the largest reference value: block-by-block sums in another order
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("kernels") / "found.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_cases.py"), str(out)], env=env, check=True,
+                   timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_the_child_ran_the_kernels_interpreted(found):
+    assert found["interpreted"] is True
+
+
+@pytest.mark.parametrize("case", ["causal mha", "causal gqa", "causal mqa", "full gqa", "mla heads 24/16",
+                                  "documents gqa"])
+def test_forward_and_gradients_equal_the_references(found, case):
+    figures = found["cases"][case]
+    tol = TOL * max(1.0, figures["scale"])
+    assert figures["out"] < tol and figures["lse"] < tol, f"{case}: forward vs einsum {figures}"
+    assert figures["sdpa_out"] < tol, f"{case}: forward vs SDPA {figures}"
+    for name, diff, sdpa in zip("qkv", figures["grads"], figures["sdpa_grads"]):
+        assert diff < tol and sdpa < tol, f"{case}: d{name} vs einsum {diff:.2e}, vs SDPA {sdpa:.2e}"
+
+
+def test_masked_tiles_are_skipped(found):
+    skipped = found["skipped"]
+    assert skipped["documents: tile 0 does reach its own queries"], "the poison is there: the check can fail"
+    assert skipped["documents: last query tile finite"] and skipped["documents: last query tile equal"] < TOL
+    assert skipped["causal: first three query tiles finite"]
+    assert skipped["documents: dk, dv of key tiles 0-1 finite"]
+
+
+def test_bad_shapes_are_refused_in_one_line(found):
+    for name, message in found["refusals"].items():
+        assert message and "\n" not in message, f"{name}: {message!r}"
+    assert "sdpa" in found["refusals"]["head 300"]
+
+
+def test_without_the_interpreter_a_cpu_run_is_refused(monkeypatch):
+    """This process never set TRITON_INTERPRET: a CPU run says how to start one."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if kernels.interpreted() is not None:
+        pytest.skip("the kernels were imported into this process already")
+    why = kernels.unavailable("cpu")
+    assert why and "TRITON_INTERPRET=1" in why and "\n" not in why
