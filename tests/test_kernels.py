@@ -66,3 +66,47 @@ def test_without_the_interpreter_a_cpu_run_is_refused(monkeypatch):
         pytest.skip("the kernels were imported into this process already")
     why = kernels.unavailable("cpu")
     assert why and "TRITON_INTERPRET=1" in why and "\n" not in why
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("kernel_trainer")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_trainer.py"), str(root)], env=env, check=True,
+                   timeout=600)
+    return json.loads((root / "found.json").read_text())
+
+
+@pytest.mark.parametrize("docs", ["plain", "docs"])
+def test_the_trainer_with_the_triton_kernel_logs_the_sdpa_losses(trained, docs):
+    sdpa, triton = trained["runs"][f"sdpa {docs}"], trained["runs"][f"triton {docs}"]
+    for key in ("losses", "val", "grad_norms"):
+        assert len(triton[key]) == len(sdpa[key]) > 0, key
+        for step, (a, b) in enumerate(zip(triton[key], sdpa[key])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"--doc-mask {docs == 'docs'}: {key}[{step}] triton {a} sdpa {b}"
+    assert trained["runs"]["sdpa plain"]["losses"] != trained["runs"]["sdpa docs"]["losses"]  # the mask matters
+
+
+def test_the_trainer_ran_the_kernel(trained):
+    """Twice (plain and --doc-mask), 4 blocks: 3 steps of 2 micro-batches forward and backward, and 2 evaluations
+    (step 2 and the end) of 1 batch in 2 micro-batches forward."""
+    assert len(trained["runs"]["triton plain"]["val"]) == 2
+    assert trained["calls"] == {"forward": 2 * 4 * (3 * 2 + 2 * 2), "backward": 2 * 4 * 3 * 2}
+
+
+def test_the_trainer_refuses_the_kernel_with_cp_and_without_the_interpreter(monkeypatch):
+    from minidist.train.config import ConfigError, check_config
+    from minidist.train.preflight import check_attention_kernel
+    from minidist.train.settings import TrainConfig
+
+    with pytest.raises(ConfigError, match="--cp > 1"):
+        check_config(TrainConfig(attention_kernel="triton", cp=2, seq_len=64))
+    with pytest.raises(ConfigError, match="unknown"):
+        check_config(TrainConfig(attention_kernel="flash"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if kernels.interpreted() is None:
+        import torch
+
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            check_attention_kernel("triton", torch.device("cpu"))
+    check_attention_kernel("sdpa", __import__("torch").device("cpu"))
