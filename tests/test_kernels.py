@@ -110,3 +110,17 @@ def test_the_trainer_refuses_the_kernel_with_cp_and_without_the_interpreter(monk
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
             check_attention_kernel("triton", torch.device("cpu"))
     check_attention_kernel("sdpa", __import__("torch").device("cpu"))
+
+
+def test_the_benchmark_says_a_cpu_measures_nothing(monkeypatch, capsys):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench/attention.py"])
+    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "bench" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main()
+    assert "measures nothing" in capsys.readouterr().out
