@@ -47,7 +47,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                          "sequence (self-attention), and k q's head size")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
-    head_block(q.shape[-1]), head_block(v.shape[-1])
+    for d in (q.shape[-1], v.shape[-1]):
+        head_block(d)  # raises for a head size the tiles cannot take
     if doc_ids is not None and (not causal or tuple(doc_ids.shape) != (q.shape[0], q.shape[2])):
         raise ValueError(f"doc_ids must be [B, S] = {(q.shape[0], q.shape[2])} with causal=True (document masks are "
                          f"block-diagonal causal), got {tuple(doc_ids.shape)}, causal={causal}")
