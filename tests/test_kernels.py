@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from minidist import kernels
 
@@ -60,10 +61,10 @@ def test_bad_shapes_are_refused_in_one_line(found):
 
 
 def test_without_the_interpreter_a_cpu_run_is_refused(monkeypatch):
-    """This process never set TRITON_INTERPRET: a CPU run says how to start one."""
+    """This process never set TRITON_INTERPRET (the kernels are not imported here, or were compiled for a GPU):
+    a CPU run is refused with a line that says how to start one."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if kernels.interpreted() is not None:
-        pytest.skip("the kernels were imported into this process already")
+    assert not kernels.interpreted(), "the kernels were imported under the interpreter into the test process"
     why = kernels.unavailable("cpu")
     assert why and "TRITON_INTERPRET=1" in why and "\n" not in why
 
@@ -104,18 +105,14 @@ def test_the_trainer_refuses_the_kernel_with_cp_and_without_the_interpreter(monk
     with pytest.raises(ConfigError, match="unknown"):
         check_config(TrainConfig(attention_kernel="flash"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if kernels.interpreted() is None:
-        import torch
-
-        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-            check_attention_kernel("triton", torch.device("cpu"))
-    check_attention_kernel("sdpa", __import__("torch").device("cpu"))
+    assert not kernels.interpreted()
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        check_attention_kernel("triton", torch.device("cpu"))
+    check_attention_kernel("sdpa", torch.device("cpu"))  # SDPA needs nothing
 
 
 def test_the_benchmark_says_a_cpu_measures_nothing(monkeypatch, capsys):
     import importlib.util
-
-    import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["bench/attention.py"])
