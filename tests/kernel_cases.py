@@ -111,6 +111,24 @@ def skipped_in_backward(q, k, v, ids, block) -> dict:
                                                                and torch.isfinite(dv[:, :, :32]).all())}
 
 
+def half_precision() -> dict:
+    """fp16 inputs (the GPU's dtypes: the probabilities and dS cast down for the matmuls, fp32 accumulators) against
+    SDPA in fp32 on the same rounded inputs: max |difference| over the largest reference value. bf16 cannot be run
+    here: triton 3.9's interpreter multiplies bf16's raw bits in `tl.dot` (numpy has no bf16; triton-lang/triton
+    issue 11584), and the kernels' bf16 path is the fp16 one with another element type."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 56, 32, generator=g).half().requires_grad_(True)
+    k, v = (torch.randn(1, 2, 56, 32, generator=g).half().requires_grad_(True) for _ in range(2))
+    out = flash.flash_attention(q, k, v, True, None, None, (16, 16))
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
+    rel = lambda a, b: max_diff(a.float(), b) / b.abs().max().item()  # noqa: E731
+    return {"dtypes": [str(t.dtype) for t in (out, *grads)], "out": rel(out, ref),
+            "grads": [rel(a, b) for a, b in zip(grads, ref_grads)]}
+
+
 def refusals() -> dict:
     """One-line errors for what the kernels do not take."""
     found = {}
@@ -129,7 +147,7 @@ def refusals() -> dict:
 def main(path: str) -> None:
     torch.set_num_threads(1)
     result = {"interpreted": interpreted(), "cases": {name: one_case(*case) for name, case in CASES.items()},
-              "skipped": skipped_tiles(), "refusals": refusals()}
+              "skipped": skipped_tiles(), "fp16": half_precision(), "refusals": refusals()}
     Path(path).write_text(json.dumps(result))
 
 
