@@ -66,8 +66,10 @@ def document_bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts.to(torch.int32), ends.to(torch.int32)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (TF32 would round the products)
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input precision: fp32 stays fp32 ("ieee"; Triton's default, TF32, would round the operands to 10
+    mantissa bits); 16-bit inputs take the backend's default."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
