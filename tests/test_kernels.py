@@ -129,3 +129,21 @@ def test_the_benchmark_says_a_cpu_measures_nothing(monkeypatch, capsys):
     spec.loader.exec_module(bench)
     bench.main()
     assert "measures nothing" in capsys.readouterr().out
+
+
+def test_the_kernels_import_torch_and_triton_only():
+    """minidist/kernels/ sits at the bottom of the import direction: beside the standard library, torch, triton
+    and its own modules, nothing (not comm/, its neighbour in the layer)."""
+    import ast
+
+    allowed = {"torch", "triton", "minidist.kernels", "__future__"} | set(sys.stdlib_module_names)
+    found = set()
+    for path in sorted((ROOT / "minidist" / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found |= {(path.name, name) for name in names}
+    outside = sorted((file, name) for file, name in found
+                     if not any(name == ok or name.startswith(ok + ".") for ok in allowed))
+    assert not outside, outside
+    assert {name.split(".")[0] for _, name in found} >= {"torch", "triton"}
