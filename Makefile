@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINT := $(VENV)/torch-constraint.txt
+KERNELS := $(VENV)/.installed-kernels
 
 .PHONY: train test test-fast lab grade book lint clean-venv
 
@@ -26,16 +27,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,bench]" -c $(CONSTRAINT)
 	@touch $(STAMP)
 
+# Triton (~1 GB) for chapter 19's kernels: the tests and the notebooks need it, `make train` does not.
+$(KERNELS): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[kernels]" -c $(CONSTRAINT)
+	@touch $(KERNELS)
+
 # A demo: --overwrite replaces the previous `make train` run in runs/tiny, so it can be run again and again.
 train: $(STAMP)
 	$(PY) -m minidist.train --config configs/default.toml --overwrite
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval-lax notebooks
 
-test-fast: $(STAMP)
+test-fast: $(KERNELS)
 	$(PY) -m pytest tests -x -q
 
 # Grade your own exercise answers for one chapter:  make grade CH=00
@@ -45,11 +51,11 @@ grade: $(STAMP)
 	$(PY) -m pytest tests/exercises -q -k "ch$(shell echo '$(CH)' | sed 's/^[0-9]$$/0&/')" --impl exercises
 
 # Execute every notebook and render it with its outputs and figures to HTML: open book/index.html.
-book: $(STAMP)
+book: $(KERNELS)
 	$(PY) tools/build_book.py --out book
 
 # As root (a container), JupyterLab needs --allow-root.
-lab: $(STAMP)
+lab: $(KERNELS)
 	$(VENV)/bin/jupyter lab notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 lint: $(STAMP)

@@ -24,6 +24,7 @@ PACKAGE = ROOT / "minidist"
 # Layer of each top-level name of the package; a module may import only from its own layer or lower ones.
 LAYERS: dict[str, int] = {
     "comm": 0, "out_files": 0,  # the bottom: communication, and writing files never through a link
+    "kernels": 0,  # chapter 19: Triton kernels (torch and triton only)
     "model": 1,
     "flops": 2, "memory": 2, "hardware": 2, "precision": 2, "data": 2,  # foundations
     "parallel": 3,

@@ -194,3 +194,21 @@ def test_install_without_make_holds_pip_to_the_installed_torch():
     script = (ROOT / "scripts" / "install_gpu_node.sh").read_text()
     assert "scripts/node_torch.py" in script and 'echo "torch==$version" > "$constraint"' in script
     assert 'pip install -e ".[dev]" -c "$constraint"' in script
+
+
+def test_make_test_installs_the_kernels_and_make_train_does_not(tmp_path):
+    """Triton (~1 GB, chapter 19) is an extra: the tests' and notebooks' targets install it after the base install,
+    `make train` never does."""
+    _make_install(tmp_path, "")  # the base install done (its stamp written)
+    work, stub = tmp_path / "repo", tmp_path / "node-python"
+    env = {"PATH": "/usr/bin:/bin", "STUB_LOG": str(tmp_path / "calls.log"), "NODE_TORCH": ""}
+
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "-n", "--no-print-directory", f"PYTHON={stub}", target], cwd=work, env=env,
+                              check=True, capture_output=True, text=True).stdout
+
+    kernels = 'pip install --quiet -e ".[kernels]" -c .venv/torch-constraint.txt'
+    assert kernels in dry_run("test") and kernels in dry_run("book")
+    assert "pip" not in dry_run("train") and "kernels" not in dry_run("train")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["kernels"] == ["triton"]

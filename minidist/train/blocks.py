@@ -23,6 +23,10 @@ Both wrap each block rather than replace it, so parameter names, the layout tran
   code on both sides of it is still compiled. Compilation is lazy: the first forward of a step traces and compiles,
   later ones reuse.
 
+* `use_attention_kernel`: `--attention-kernel triton` swaps every block's attention core (SDPA, `CausalAttention`)
+  for chapter 19's Triton FlashAttention-2 (`minidist.kernels.core.TritonAttention`), as context parallelism swaps
+  in its cores: the model's code stays plain PyTorch, parameter names and checkpoints unchanged.
+
 The backend is inductor by default (`--compile-backend`). On a CPU it generates C++ and needs a C++ compiler; without
 one the run is refused before it starts (one line, `check_can_compile`), never silently run uncompiled or on another
 backend. `aot_eager` runs the layers inductor sits on (dynamo's graphs, AOTAutograd's joint forward and backward,
@@ -163,3 +167,19 @@ def frames_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return counters["frames"]["total"]
+
+
+def use_attention_kernel(model: nn.Module, kernel: str) -> int:
+    """Swap every SDPA attention core of `model` for the Triton kernel's when `kernel` is "triton" (in place); the
+    number of cores swapped. Triton is imported only then (a run with "sdpa" needs none installed)."""
+    if kernel == "sdpa":
+        return 0
+    if kernel != "triton":
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose sdpa or triton")
+    from minidist.kernels.core import TritonAttention
+    from minidist.model.attention import CausalAttention
+
+    cores = [m for m in model.modules() if isinstance(getattr(m, "core", None), CausalAttention)]
+    for module in cores:
+        module.core = TritonAttention()
+    return len(cores)

@@ -56,6 +56,9 @@ FLAGS: list[tuple[str, str]] = [
     ("--loss-chunk", "compute the head and the cross-entropy over chunks of this many tokens, recomputed in the "
                      "backward, so the fp32 tokens x vocab logits never exist whole (0: off; not with --tp > 1 "
                      "or --zero 3)"),
+    ("--attention-kernel", "the attention core: sdpa (PyTorch's fused kernels) or triton (chapter 19's "
+                           "FlashAttention-2, minidist/kernels/; on a CPU only under TRITON_INTERPRET=1 set before "
+                           "the start; not with --cp > 1)"),
     ("--device", "auto (cuda if available), cpu or cuda"),
     ("--compile-backend", "torch.compile's backend with --compile: inductor (generated kernels; a C++ compiler on a "
                           "CPU), aot_eager (dynamo and AOTAutograd, no code generation: CUDA's compiled path "

@@ -14,6 +14,7 @@ from minidist.comm.bootstrap import DEVICES
 from minidist.data import training_data
 from minidist.data.corpus import VOCAB_SIZE
 from minidist.data.dataset import is_prepared
+from minidist.kernels import ATTENTION_KERNELS
 from minidist.model import ModelConfig, get_preset
 from minidist.model.fp8_linear import RECIPES as FP8_RECIPES
 from minidist.model.moe.dispatch import EXPERT_BACKENDS
@@ -179,7 +180,8 @@ def _check_choices(cfg: TrainConfig) -> None:
     """Each named choice against the list its owner keeps (precision, schedules, context parallel, devices)."""
     for key, allowed in (("dtype", DTYPES), ("fp8", ("none", *FP8_RECIPES)), ("recompute", RECOMPUTE),
                          ("device", DEVICES), ("schedule", ALL_SCHEDULES), ("cp_impl", CP_IMPLS),
-                         ("compile_backend", COMPILE_BACKENDS), ("expert_backend", EXPERT_BACKENDS)):
+                         ("compile_backend", COMPILE_BACKENDS), ("expert_backend", EXPERT_BACKENDS),
+                         ("attention_kernel", ATTENTION_KERNELS)):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} {getattr(cfg, key)!r} is unknown; choose one of {allowed}")
 
@@ -192,6 +194,9 @@ def _check_combinations(cfg: TrainConfig) -> None:
     if cfg.loss_chunk and cfg.zero == 3:
         raise ConfigError("--loss-chunk with --zero 3: ZeRO-3 gathers the head's weight only inside the model's "
                           "forward, and the chunked loss runs after it; use --loss-chunk 0 or --zero 2")
+    if cfg.attention_kernel == "triton" and cfg.cp > 1:
+        raise ConfigError("--attention-kernel triton with --cp > 1: context parallelism runs its own block kernels "
+                          "(ring, all-gather, Ulysses); use --cp 1 or --attention-kernel sdpa")
     if cfg.recompute == "selective" and cfg.cp > 1:
         raise ConfigError("--recompute selective with --cp > 1: the ring's attention runs one kernel per block of "
                           "keys, and the policy would keep every block's output; use --recompute full or --cp 1")

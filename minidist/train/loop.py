@@ -53,7 +53,14 @@ from minidist.model.moe.stats import moe_layers
 from minidist.parallel import Layout, ParallelModel, StepLosses, materialize, parallelize
 from minidist.parallel.pp.schedules import ZB_SCHEDULES
 from minidist.train import metrics, profiling, reporting, run_dir, run_state
-from minidist.train.blocks import apply_recompute, compile_blocks, frames_compiled, keep_gemms_eager, resolve_compile
+from minidist.train.blocks import (
+    apply_recompute,
+    compile_blocks,
+    frames_compiled,
+    keep_gemms_eager,
+    resolve_compile,
+    use_attention_kernel,
+)
 from minidist.train.config import (
     ConfigError,
     RankConfigError,
@@ -105,6 +112,7 @@ def setup(cfg: TrainConfig, layout: Layout, env: DistEnv, topo: Topology, device
     for layer in moe_layers(model):  # --expert-backend: before ep swaps the experts (it keeps their backend)
         layer.experts.backend = cfg.expert_backend
     convert_to_fp8(model, None if cfg.fp8 == "none" else Fp8Recipe(cfg.fp8, cfg.fp8_block))  # before tp shards it
+    use_attention_kernel(model, cfg.attention_kernel)  # before cp would swap the cores (refused together)
     if layout.recompute != "none":
         apply_recompute(model, layout.recompute)
     compiled = resolve_compile(cfg.compile, device)

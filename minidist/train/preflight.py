@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidist import flops, memory
+from minidist import flops, kernels, memory
 from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.comm.torch_support import check_torch
@@ -60,6 +60,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
                                               torch.cuda.get_device_capability(device), cfg.peak_flops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_attention_kernel(cfg.attention_kernel, device)
     return Preflight(env, layout, device)
 
 
@@ -83,6 +84,13 @@ def check_kernel_contracts(cfg: TrainConfig, dims: ParallelDims) -> None:
     if failures:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         raise ConfigError(failures[0] + more)
+
+
+def check_attention_kernel(kernel: str, device: torch.device) -> None:
+    """--attention-kernel triton: Triton installed, and on a CPU its interpreter chosen before the start."""
+    why = kernels.unavailable(device.type) if kernel == "triton" else None
+    if why:
+        raise ConfigError(why)
 
 
 def check_fits(cfg: TrainConfig, world_size: int) -> None:

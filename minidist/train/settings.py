@@ -54,6 +54,7 @@ class TrainConfig:
     fp8_block: int = 128  # the blockwise recipe's tile/block size (1 x B activations, B x B weights)
     recompute: str = "none"  # activation recomputation: none, selective (keep matmul outputs) or full (each block)
     loss_chunk: int = 0  # tokens per chunk of the head + cross-entropy (0: the whole micro-batch at once)
+    attention_kernel: str = "sdpa"  # the attention core: sdpa (the model's own) or triton (chapter 19's kernel)
     compile: bool | None = None  # torch.compile each transformer block; None: on CUDA (with Triton), off elsewhere
     compile_backend: str = "inductor"  # torch.compile's backend: inductor, aot_eager (no codegen), eager (dynamo only)
     expert_backend: str = "auto"  # routed experts' kernel: auto (grouped_mm where CUDA's rule holds), loop, grouped_mm
