@@ -46,7 +46,7 @@ test-fast: $(KERNELS)
 
 # Grade your own exercise answers for one chapter:  make grade CH=00
 # (CH=5 is taken as 05)
-grade: $(STAMP)
+grade: $(KERNELS)
 	@test -n "$(CH)" || { echo "usage: make grade CH=00"; exit 2; }
 	$(PY) -m pytest tests/exercises -q -k "ch$(shell echo '$(CH)' | sed 's/^[0-9]$$/0&/')" --impl exercises
 
