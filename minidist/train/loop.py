@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ from minidist.comm.bootstrap import DistEnv, joined
 from minidist.comm.topology import Topology
 from minidist.data.sampler import BatchSampler
 from minidist.data.shards import ShardChanged
-from minidist.data.training_data import TrainingData, load_training_data
+from minidist.data.training_data import TrainingData
 from minidist.flops import MFU_CONVENTION, MfuMeter, peak_for_device
 from minidist.model.documents import attention_pairs, document_ids
 from minidist.model.fp8_linear import Fp8Recipe, convert_to_fp8, gemm_kernels, quantization_snr
@@ -73,7 +72,7 @@ from minidist.train.config import (
 from minidist.train.dashboard import Dashboard
 from minidist.train.optim import build_optimizer
 from minidist.train.plots import plot_losses, read_metrics
-from minidist.train.preflight import preflight
+from minidist.train.preflight import load_data, preflight  # load_data: also this module's public name
 from minidist.train.profiling import StepProfiler
 from minidist.train.run import Run
 from minidist.trust import faults, health, replicas
@@ -92,7 +91,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # One run at a time in OUT (rank 0 holds its lock); the process groups; on a failure each rank writes
     # OUT/flight/ (a bad setting is no communication failure).
     with run_dir.locked(Path(cfg.out), env.rank == 0), contextlib.ExitStack() as stack:
-        with reporting.rendezvous(_address(), cfg.comm_timeout):
+        with reporting.rendezvous(reporting.rendezvous_address(), cfg.comm_timeout):
             topo = stack.enter_context(joined(checked.layout.dims, env, device, cfg.comm_timeout, Path(cfg.out),
                                               ignore=(ConfigError,), ckpt_timeout_s=cfg.ckpt_timeout))
         run = setup(cfg, checked.layout, env, topo, device, corpus)
@@ -150,22 +149,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     params = sum(p.numel() for p in model.parameters())  # a tied weight is counted once
     embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
     return {"params": params, "params_non_embedding": params - embedding}
-
-
-def load_data(cfg: TrainConfig) -> TrainingData:
-    """--data: a text source read into memory, or a prepared dataset read row by row (minidist.data.training_data)."""
-    try:
-        corpus = load_training_data(cfg.data, cfg.val_fraction, cfg.max_bytes)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    model_vocab = model_config(cfg).vocab_size
-    if corpus.vocab_size > model_vocab:  # config_checks sets it from the manifest: a changed file
-        raise ConfigError(f"the data's vocabulary is {corpus.vocab_size:,} but the model's is "
-                          f"{model_vocab:,}; prepare the data again or set model.vocab_size")
-    if corpus.train.numel() < cfg.seq_len + 1:
-        raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
-                          f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
-    return corpus
 
 
 def validation_batches(corpus: TrainingData, cfg: TrainConfig, device: torch.device) -> list:
@@ -436,17 +419,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_config(argv))
     except ConfigError as e:  # every rank says its own: a node's input may differ (a relative path, its files)
-        return _stop(str(e) if isinstance(e, RankConfigError) else _ranked(str(e)), 2)
+        return _stop(str(e) if isinstance(e, RankConfigError) else reporting.ranked(str(e)), 2)
     except reporting.JoinFailed as e:
-        return _stop(_ranked(str(e)), 1, consequence=True)
+        return _stop(reporting.ranked(str(e)), 1, consequence=True)
     except ShardChanged as e:
-        return _stop(_ranked(str(e)), 1)
+        return _stop(reporting.ranked(str(e)), 1)
     except OSError as e:  # the machine's, not the run's: a full disk while writing a checkpoint or OUT's files
         if e.errno is None and not str(e).startswith("cannot write"):
             raise  # not the filesystem's answer: keep its traceback
-        return _stop(f"rank {_place()[0]}: {(str(e).splitlines() or [type(e).__name__])[0]}", 1)
+        return _stop(f"rank {reporting.place()[0]}: {(str(e).splitlines() or [type(e).__name__])[0]}", 1)
     except RuntimeError as e:  # TrainingDiverged, ReplicasDiffer, a peer silent past --comm-timeout: one line
-        if (line := health.stop_reason(e, _place()[0])) is None:
+        if (line := health.stop_reason(e, reporting.place()[0])) is None:
             raise  # a bug: keep its traceback
         return _stop(line, 1, consequence=not isinstance(e, health.TrainingDiverged))
     return 0
@@ -456,21 +439,3 @@ def _stop(line: str, code: int, consequence: bool = False) -> int:
     reporting.report(line, consequence=consequence)
     return code
 
-
-def _ranked(message: str) -> str:
-    """`message` prefixed with this rank when the job has several."""
-    rank, world = _place()
-    return f"rank {rank}: {message}" if world > 1 else message
-
-
-def _place() -> tuple[int, int]:
-    """This process's (rank, world size) for an error message; (0, 1) when the launcher's variables are the error."""
-    try:
-        env = DistEnv.detect()
-    except ValueError:
-        return 0, 1
-    return env.rank, env.world_size
-
-
-def _address() -> str:
-    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

@@ -18,6 +18,7 @@ from minidist import flops, kernels, memory
 from minidist.comm.bootstrap import DistEnv, pick_device
 from minidist.comm.topology import ParallelDims
 from minidist.comm.torch_support import check_torch
+from minidist.data.training_data import TrainingData, load_training_data
 from minidist.model import ModelConfig
 from minidist.model.fp8_gemm import native_blockwise
 from minidist.parallel.cp import validate_context_parallel
@@ -184,3 +185,19 @@ def check_model_split(cfg: TrainConfig, dims: ParallelDims) -> None:
                               batch_size=cfg.batch_size // dims.dp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def load_data(cfg: TrainConfig) -> TrainingData:
+    """--data: a text source read into memory, or a prepared dataset read row by row (minidist.data.training_data)."""
+    try:
+        corpus = load_training_data(cfg.data, cfg.val_fraction, cfg.max_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model_vocab = model_config(cfg).vocab_size
+    if corpus.vocab_size > model_vocab:  # config_checks sets it from the manifest: a changed file
+        raise ConfigError(f"the data's vocabulary is {corpus.vocab_size:,} but the model's is "
+                          f"{model_vocab:,}; prepare the data again or set model.vocab_size")
+    if corpus.train.numel() < cfg.seq_len + 1:
+        raise ConfigError(f"the training split has {corpus.train.numel():,} tokens, fewer than seq_len + 1 = "
+                          f"{cfg.seq_len + 1}; use more data or a shorter --seq-len")
+    return corpus

@@ -25,6 +25,8 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 
+from minidist.comm.bootstrap import DistEnv
+
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 _FRAME = re.compile(r"frame #\d+:|Exception raised from |<omitting python frames>|\s*$")
 
@@ -83,3 +85,23 @@ def rendezvous(where: str, timeout_s: float) -> Iterator[None]:
     raise JoinFailed(f"could not join the job's processes at {where} within --comm-timeout {timeout_s:g} s: "
                      f"{first} (a rank that never joined printed its own error; is every rank started, with the "
                      "same MASTER_ADDR/MASTER_PORT?)") from None
+
+
+def ranked(message: str) -> str:
+    """`message` prefixed with this rank when the job has several."""
+    rank, world = place()
+    return f"rank {rank}: {message}" if world > 1 else message
+
+
+def place() -> tuple[int, int]:
+    """This process's (rank, world size) for an error message; (0, 1) when the launcher's variables are the error."""
+    try:
+        env = DistEnv.detect()
+    except ValueError:
+        return 0, 1
+    return env.rank, env.world_size
+
+
+def rendezvous_address() -> str:
+    """MASTER_ADDR:MASTER_PORT as the launcher set them, for the message of a rank that could not join."""
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
