@@ -424,6 +424,11 @@ def test_an_hf_checkpoint_that_would_not_fit_is_one_line_before_any_tensor(tmp_p
     huge = tmp_path / "huge"
     huge.mkdir()
     (huge / "config.json").write_text(json.dumps({**hf_config, "vocab_size": 2**40}))
+    with pytest.raises(hf_files.ConvertError, match="no trained model is that large"):  # past the parser's caps
+        read_hf(huge)
+    # Inside every cap, but 2^24 x 2^18 embedding rows of fp32: more memory than any machine has.
+    wide = {"vocab_size": 1 << 24, "hidden_size": 1 << 18, "head_dim": (1 << 18) // hf_config["num_attention_heads"]}
+    (huge / "config.json").write_text(json.dumps({**hf_config, **wide}))
     with pytest.raises(hf_files.ConvertError, match="GiB to convert"):
         read_hf(huge)
     # A 41 KB file whose embedding is one stored row repeated (stride 0): refused before a copy expands it.
