@@ -1,11 +1,11 @@
-"""CUDA's default path rehearsed on the CPU: the 2-rank layouts of the device-sentinel matrix
+"""CUDA's default path rehearsed on the CPU: the layouts of the device-sentinel matrix
 (tests/test_device_sentinel.py; those with compiled graphs of their own, `SAME_GRAPHS`), plus the zero-bubble
 schedules, context parallelism with documents, the three FP8 recipes, both recomputations and MoE on both expert
 backends, with every block compiled (`--compile --compile-backend aot_eager`: dynamo and
 AOTAutograd, the layers inductor sits on, then the same aten kernels as eager) and under the device sentinel (its
 meta default device). Each compiled run logs what its eager run logs (losses and gradient norms, 1e-4 relative),
 and compiles nothing after its second step (dynamo's counter of compiled frames, metrics.jsonl's `compiles`, on
-every rank). One launch of 2 ranks runs each layout eagerly, then compiled.
+every rank). One launch per world size (2 and 4 ranks) runs each layout eagerly, then compiled.
 
 On main 7df2745 the compiled runs crashed: ZeRO-3 ("modified by an inplace operation": the block's hooks, which
 gather its parameters with `param.data = ...`, were traced into the graph), ring attention (a recompile at ring
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import trainer_parity
 from device_sentinel import device_sentinel
 from test_device_sentinel import LAYOUTS as SENTINEL_LAYOUTS
+from test_device_sentinel import RESUME
 from test_device_sentinel import config as sentinel_config
 
 from minidist.comm.launch import run_ranks
@@ -53,9 +54,11 @@ EXTRA = {
 }
 # Left out, for the suite's time (each compiled layout costs seconds of tracing on 2 cores): layouts whose compiled
 # graphs another one here already traces (ZeRO 0 and 2 like ZeRO 1: data parallelism acts after the backward; AFAB
-# and interleaved like 1F1B: the same blocks, in other chunks and another order), and the 4-rank compositions.
+# and interleaved like 1F1B: the same blocks, in other chunks and another order), and the sentinel's resume (a
+# checkpoint's reload, no graph of its own). The 4-rank compositions run in a second launch.
 SAME_GRAPHS = ("dp2 zero0", "dp2 zero2", "pp2 afab", "pp2 interleaved")
-LAYOUTS = {2: {**{n: v for n, v in SENTINEL_LAYOUTS[2].items() if n not in SAME_GRAPHS}, **EXTRA[2]}}
+LAYOUTS = {2: {**{n: v for n, v in SENTINEL_LAYOUTS[2].items() if n not in SAME_GRAPHS}, **EXTRA[2]},
+           4: {n: v for n, v in SENTINEL_LAYOUTS[4].items() if n != RESUME}}
 
 
 def config(out: str, kind: str, **changes) -> train.TrainConfig:
