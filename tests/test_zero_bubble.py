@@ -12,6 +12,7 @@ import itertools
 import parity
 import pytest
 import torch
+from counting import CountedIdentity as _Counted
 
 from minidist.comm.communicator import Comm
 from minidist.model import build_model
@@ -76,21 +77,6 @@ def test_b_then_w_equals_the_fused_backward_bit_for_bit(mode: str, chunk: int, p
     assert sorted(got) == sorted(want)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{mode} chunk {chunk}: {name}"
-
-
-class _Counted(torch.autograd.Function):
-    """Identity that counts its backward runs (as a stand-in for tensor parallelism's f/g and their collectives)."""
-
-    runs = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        _Counted.runs += 1
-        return g
 
 
 def test_w_runs_no_node_of_the_input_path_again() -> None:

@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+from counting import CountedIdentity as _Counted
 from grading import load
 
 from minidist.parallel.pp import schedules as S
@@ -66,21 +67,6 @@ def test_ch15_deferred_weight_linear(impl: str, shape: tuple[int, ...]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # 2. The frontier capture of a block: two linears and a nonlinearity
 # ---------------------------------------------------------------------------------------------------------------
-
-
-class _Counted(torch.autograd.Function):
-    """An identity whose backward counts its runs: a tensor-parallel all-reduce on the input's path would be here."""
-
-    runs = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        _Counted.runs += 1
-        return g
 
 
 def _block(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
