@@ -115,11 +115,25 @@ def test_presets_are_todays_kernels_and_a_full_grad_buffer_costs_memory(tmp_path
     ("schedules = [\"gpipe\"]\n", "schedules must be a list"),
     ("colour = 1\n", "unknown stack field(s) ['colour']"),
     ("reserved_gib = 90\n", "nothing is left for a layout"),
+    ("norm = \"apex\"\n", "norm must be one of ['eager', 'fused']"),
 ])
 def test_bad_stack_files_are_one_line(tmp_path, capsys, text, needle):
     assert main(["--model", "tiny", *SMALL, "--stack", _write(tmp_path, "s.toml", text)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_fused_norm_keeps_its_input_not_an_fp32_copy(tmp_path):
+    """torchtitan's 13B preset of 2024 (a Triton RMSNorm) with this trainer's other kernels: each of a block's two
+    norms and the head's keeps d fp32 values per token fewer (its bf16 input and 1/rms, not x.float() beside them)."""
+    from minidist.plan.rank_memory import activation_bytes
+    cfg, layout = get_preset("llama3-8b"), Layout.of(dp=8, zero=3)
+    stacks = {norm: load_stack(_write(tmp_path, f"{norm}.toml", f'norm = "{norm}"\n')) for norm in ("eager", "fused")}
+    eager, fused = (activation_bytes(cfg, layout, 4096, 2, stacks[k].precision)[0] for k in ("eager", "fused"))
+    assert eager == activation_bytes(cfg, layout, 4096, 2, PRESETS["trainer"].precision)[0]  # the trainer's norm
+    assert eager - fused == (2 * cfg.n_layers + 1) * 4 * (2 * 4096) * cfg.d_model
+    megatron = load_stack(_write(tmp_path, "m.toml", 'activations = "megatron"\nnorm = "eager"\n')).precision
+    assert megatron.fused and megatron.fused_norm is False and PRESETS["megatron"].precision.fused_norm is None
 
 
 def test_restrict_and_micro_batch_size_bound_every_layout(capsys):

@@ -70,6 +70,7 @@ class Precision:
     fp8_saved: bool = False  # DeepSeek-V3's: FP8 copies, norms and MLA's up-projections recomputed (`deepseek_saves`)
     master: float = 0  # of `optimizer`, the bytes of the fp32 master copy (shown apart; sharded alike)
     grad_buffer: str = "sharded"  # "full": `grad` bytes for every parameter of the rank whatever the ZeRO stage
+    fused_norm: bool | None = None  # None: as `fused`; a stack may pair a fused RMSNorm with eager RoPE and SwiGLU
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
@@ -263,28 +264,29 @@ def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1, fused: bool = False) -
     return (p * n * dim + 4 * n if fused else 4 * n * dim + 4 * n + p * n * dim) / sp_tp
 
 
-def _region_input_bytes(n: int, d: int, p: int, sp: int, fused: bool, sp_regather: bool) -> float:
+def _region_input_bytes(n: int, d: int, p: int, sp: int, fused_norm: bool, sp_regather: bool) -> float:
     """A region's (attention's, the feed-forward's, the head's) norm and the input its first linears save: whole
     (no SP), gathered over the sequence (the trainer's SP), or sharded and gathered again backward (Megatron's)."""
-    return _norm_bytes(n, d, p, sp, fused) + p * n * d / (sp if sp_regather else 1)
+    return _norm_bytes(n, d, p, sp, fused_norm) + p * n * d / (sp if sp_regather else 1)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int,
-                           fused: bool = False, sp_regather: bool = False) -> float:
+                           fused: bool = False, sp_regather: bool = False, fused_norm: bool | None = None) -> float:
     """Bytes one block saves for the backward for `tokens` tokens of one micro-batch on one rank (s/cp each), with
-    this trainer's kernels or (`fused`, `sp_regather`: `Precision`'s) Megatron-LM's."""
+    this trainer's kernels or (`fused`, `sp_regather`, `fused_norm`: `Precision`'s) Megatron-LM's."""
     tp, d = layout.dims.tp, cfg.d_model
     n = tokens
     sp = layout.sp_degree
-    norms = 2 * _region_input_bytes(n, d, p, sp, fused, sp_regather)
+    fused_norm = fused if fused_norm is None else fused_norm
+    norms = 2 * _region_input_bytes(n, d, p, sp, fused_norm, sp_regather)
     swiglu = 3 if fused else 4  # x·W1, x·W3, the SiLU, the product (fused: the first two and the product)
     if cfg.attention == "mla":
         m, h = cfg.mla, cfg.n_heads // tp
         d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
         # the latent, normed, into wkv_b
-        latents = _norm_bytes(n, m.kv_lora_rank, p, fused=fused) + p * n * m.kv_lora_rank
+        latents = _norm_bytes(n, m.kv_lora_rank, p, fused=fused_norm) + p * n * m.kv_lora_rank
         if m.q_lora_rank:
-            latents += _norm_bytes(n, m.q_lora_rank, p, fused=fused) + p * n * m.q_lora_rank
+            latents += _norm_bytes(n, m.q_lora_rank, p, fused=fused_norm) + p * n * m.q_lora_rank
         # q before and after RoPE, k assembled, v, the kernel's output and its copy into wo (fused: q, k, v, the
         # output); fp32 log-sum-exp
         copies = 2 if fused else 3
@@ -340,9 +342,10 @@ def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Lay
 
 
 def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int, fused: bool = False,
-                          sp_regather: bool = False) -> float:
+                          sp_regather: bool = False, fused_norm: bool | None = None) -> float:
     """The last stage's final norm, the head's input and the loss's fp32 softmax over the vocabulary shard."""
-    return _region_input_bytes(tokens, cfg.d_model, p, layout.sp_degree, fused, sp_regather) + \
+    fused_norm = fused if fused_norm is None else fused_norm
+    return _region_input_bytes(tokens, cfg.d_model, p, layout.sp_degree, fused_norm, sp_regather) + \
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
@@ -363,7 +366,7 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
     key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl)
     first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
-    kernels = (precision.fused, precision.sp_regather)
+    kernels = (precision.fused, precision.sp_regather, precision.fused_norm)
 
     def saved(layer: int) -> float:
         if precision.fp8_saved:
@@ -400,7 +403,8 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch
     in_flight = chunks_in_flight(options.schedule, dims.pp, options.microbatches, options.virtual_stages, stage)
     total = one_chunk_pass * in_flight
     if last:
-        total += head_activation_bytes(cfg, tokens, layout, p, precision.fused, precision.sp_regather)
+        total += head_activation_bytes(cfg, tokens, layout, p, precision.fused, precision.sp_regather,
+                                       precision.fused_norm)
         total += mtp_depth * mtp.head_activation_bytes(cfg, tokens, dims.tp, p)
     if stage == 0:
         total += 8 * tokens  # the embedding's token indices

@@ -13,6 +13,8 @@ file (every one optional; an omitted one takes the `trainer` preset's value):
 * `activations`: whose kernels' saved tensors, "trainer" (this trainer's: an fp32 copy in RMSNorm, SP linears keep
   their gathered input), "megatron" (fused RMSNorm, RoPE and SwiGLU, SP inputs kept sharded) or "deepseek"
   (DeepSeek-V3's: FP8 copies, norms, SwiGLU and MLA's up-projections recomputed; needs --fp8);
+* `norm`: "eager" (RMSNorm over an fp32 copy of its input, which autograd keeps) or "fused" (one kernel that keeps
+  its input as it is and 1/rms); omitted: as `activations`' kernels have it (eager for "trainer", fused otherwise);
 * `reserved_gib`: GiB per GPU the layouts may not use (CUDA context, NCCL buffers, the allocator's slack); omitted:
   10% of the chip's memory;
 * what the stack can run, restricting the search: `schedules` (of 1f1b, interleaved, zb1, zbv, dualpipev),
@@ -36,6 +38,7 @@ SCHEDULES = ("1f1b", "interleaved", "zb1", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather")
 RECOMPUTES = ("none", "selective", "full")
 KERNELS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # `activations`' choices
+NORMS = ("eager", "fused")  # RMSNorm's kernel: an fp32 copy of its input kept, or one fused kernel
 MAX_STACK_BYTES = 1 << 16  # a stack file is a few lines; anything larger is not one
 
 
@@ -48,6 +51,7 @@ class Stack:
     optimizer_bytes: float = 8
     grad_buffer: str = "sharded"
     activations: str = "trainer"
+    norm: str = ""  # "eager" or "fused"; "": as `activations`' kernels
     reserved_gib: float | None = None  # None: 10% of the chip's memory
     schedules: tuple[str, ...] = SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -62,7 +66,8 @@ class Stack:
         kernels = KERNELS[self.activations]
         return dataclasses.replace(kernels, param=self.param_bytes, grad=self.grad_bytes,
                                    optimizer=self.master_bytes + self.optimizer_bytes, master=self.master_bytes,
-                                   grad_buffer=self.grad_buffer)
+                                   grad_buffer=self.grad_buffer,
+                                   fused_norm=None if not self.norm else self.norm == "fused")
 
     def reserved_bytes(self, memory_bytes: float) -> float:
         return 0.1 * memory_bytes if self.reserved_gib is None else self.reserved_gib * 2 ** 30
@@ -100,6 +105,8 @@ def stack_from_dict(values: dict[str, Any], path: str) -> Stack:
             raise ValueError(f"{path}: grad_buffer must be \"sharded\" or \"full\", got {value!r}")
         elif key == "activations" and value not in KERNELS:
             raise ValueError(f"{path}: activations must be one of {list(KERNELS)}, got {value!r}")
+        elif key == "norm" and value not in NORMS:
+            raise ValueError(f"{path}: norm must be one of {list(NORMS)}, got {value!r}")
         elif key == "reserved_gib" and (type(value) not in (int, float) or not math.isfinite(value)
                                         or not 0 <= value <= 1024):
             raise ValueError(f"{path}: reserved_gib must be a number of GiB in 0..1024, got {value!r}")
@@ -145,4 +152,6 @@ def stack_words(stack: Stack) -> str:
     runs = "; ".join(w for w in limits if w)
     return (f"stack {stack.name}: {stack.param_bytes:g} + {stack.grad_bytes:g} ({stack.grad_buffer}) + "
             f"{stack.master_bytes:g} + {stack.optimizer_bytes:g} bytes per parameter (weights, gradients, master, "
-            f"optimizer), {stack.activations}'s kernels' activations" + (f"; runs {runs}" if runs else ""))
+            f"optimizer), {stack.activations}'s kernels' activations" +
+            (f" with {'an' if stack.norm == 'eager' else 'a'} {stack.norm} RMSNorm" if stack.norm else "") +
+            (f"; runs {runs}" if runs else ""))
