@@ -57,15 +57,17 @@ def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int
     worst = max(range(len(rows)), key=lambda s: rows[s].total)
     share = precision.master / precision.optimizer if precision.optimizer else 0.0  # sharded alike: an exact split
     lines = [f"{'stage':>5} {'params':>7} {'grads':>7} {'master':>7} {'optim':>7} {'acts':>7} {'recomp':>7} "
-             f"{'GiB':>7}"]
+             f"{'loss':>7} {'gather':>7} {'GiB':>7}"]
     for s, e in enumerate(rows):
         lines.append(f"{s:>5} {e.params / GIB:>7.1f} {e.grads / GIB:>7.1f} {e.optimizer * share / GIB:>7.1f} "
                      f"{e.optimizer * (1 - share) / GIB:>7.1f} {e.activations / GIB:>7.1f} "
-                     f"{e.recompute_transient / GIB:>7.1f} {e.total / GIB:>7.1f}"
+                     f"{e.recompute_transient / GIB:>7.1f} {e.loss_transient / GIB:>7.1f} "
+                     f"{e.gathered / GIB:>7.1f} {e.total / GIB:>7.1f}"
                      + ("  <- heaviest" if s == worst else ""))
     lines.append(f"  (grads: {precision.grad:g} bytes per parameter, {precision.grad_buffer}; master + optim: "
                  f"{precision.master:g} + {precision.optimizer - precision.master:g} bytes per parameter, sharded from "
-                 "ZeRO-1; the stack's reserved GiB come off the usable memory above)")
+                 "ZeRO-1; recomp and loss: transients, the larger counted; gather: ZeRO-3's gathered units; "
+                 "the stack's reserved GiB come off the usable memory above)")
     return lines
 
 

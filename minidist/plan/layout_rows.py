@@ -3,7 +3,7 @@ search, then any number of layouts looked up in it or evaluated as given, in one
 
 A row is `Candidate.row()` plus `mem_per_stage_gib` (each pipeline rank's bytes, the reserved GiB not included) and,
 for a layout that does not fit, `overflow_term`: the largest term of its heaviest stage (params, grads, optimizer,
-activations, recompute_transient), the one to shrink first.
+activations, recompute_transient, loss_transient, gathered), the one to shrink first.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from minidist.model.config import ModelConfig
 from minidist.parallel.layout import Layout
 from minidist.plan.cluster import Cluster
 from minidist.plan.explain import evaluate, parse_settings
-from minidist.plan.rank_memory import MemoryEstimate, estimate_memory
+from minidist.plan.rank_memory import MEMORY_TERMS, MemoryEstimate, estimate_memory
 from minidist.plan.search import Candidate, Plan
 from minidist.plan.stack import CP_KINDS, RECOMPUTES, SCHEDULES
 
 MAX_LAYOUT_LINES = 10_000  # a layout file is a table someone wrote; more lines than this is not one
 MAX_LAYOUT_BYTES = 1 << 20
-TERMS = ("params", "grads", "optimizer", "activations", "recompute_transient")
 
 
 def stage_memory(cfg: ModelConfig, plan: Plan, layout: Layout, seq_len: int, sequences: int,
@@ -41,7 +40,7 @@ def full_row(cfg: ModelConfig, plan: Plan, candidate: Candidate, seq_len: int, s
     row = {**candidate.row(), "mem_gib": round(heaviest.total / GIB, 2), "heaviest_stage": heaviest.stage,
            "fits": heaviest.total <= plan.budget, "mem_per_stage_gib": [round(e.total / GIB, 2) for e in stages]}
     if not row["fits"]:
-        row["overflow_term"] = max(TERMS, key=lambda t: getattr(heaviest, t))
+        row["overflow_term"] = max(MEMORY_TERMS, key=lambda t: getattr(heaviest, t))
     return row
 
 

@@ -50,6 +50,7 @@ class Run:
     seconds: float  # the published step time (see `source`)
     reported_gib: float | None = None  # memory per GPU the publication reports
     reported_oom: bool = False  # the publication reports this layout out of memory
+    memory_gib: float | None = None  # memory per GPU where the run's chip had other than the record's
     recipe: Recipe = DEFAULT_RECIPE
     why_off: str = ""  # why the row may be off by more than `TOLERANCE` (empty: it must not be)
     misses_memory: str = ""  # why the planner calls this published (and run) layout over its memory, if it does
@@ -76,6 +77,10 @@ def runs() -> list[Run]:
     bloom, _ = planned_model(repo_file("configs/models/bloom-176b.toml"))
     mtnlg = [(2240, 8, 60.1), (2800, 10, 50.2), (3360, 12, 44.4)]
     titan = "torchtitan docs/performance.md (64 A100 80GB, FSDP2): "
+    titan_h100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e at 500 W, FSDP2, no "
+                  "compile, bf16): ")
+    slow_h100 = ("Grand Teton's H100 with 96 GB of HBM2e at 500 W, whose matmul rate no benchmark gives (torchtitan: "
+                 "33-39% of the SXM's peak for this model); the planner charges the H100 SXM's measured 792 TFLOP/s")
     return [
         Run("Llama 3 405B, 8,192 H100", "Llama 3 Table 4: 430 TFLOP/s per GPU", "llama3-405b",
             "configs/stacks/llama3.toml", "H100-SXM", 8192, 8192, 2048, {**llama, "dp": 64},
@@ -111,6 +116,11 @@ def runs() -> list[Run]:
         Run("torchtitan Llama 2 13B, 64 A100", titan + "2,162 tokens/s per GPU, local batch 2, no AC",
             "configs/models/llama2-13b.toml", "configs/stacks/torchtitan-fused-rmsnorm.toml", "A100", 64, 4096, 128,
             dict(dp=64, tp=1, pp=1, cp=1, ep=1, microbatches=1, recompute="none"), 2 * 4096 / 2162),
+        *[Run(f"torchtitan Llama 3.1 8B, {gpus} H100", titan_h100 + f"{tps:,} tokens/s per GPU and {gib} GiB (peak "
+              "reserved), local batch 2, selective op AC", "llama3-8b", "configs/stacks/torchtitan.toml", "H100-SXM",
+              gpus, 8192, 2 * gpus, dict(dp=gpus, tp=1, pp=1, cp=1, ep=1, microbatches=1, recompute="selective"),
+              2 * 8192 / tps, reported_gib=gib, memory_gib=96e9 / GIB, why_off=slow_h100)
+          for gpus, tps, gib in ((8, 5762, 82.4), (128, 5605, 67.0))],
         Run("torchtitan Llama 2 70B, 64 A100", titan + "353 tokens/s per GPU, local batch 2, full AC",
             "llama2-70b", "configs/stacks/torchtitan.toml", "A100", 64, 4096, 128,
             dict(dp=64, tp=1, pp=1, cp=1, ep=1, microbatches=1, recompute="full"), 2 * 4096 / 353),
@@ -146,7 +156,7 @@ def predict(run: Run) -> Predicted:
     """The planner's search for the run, restricted to its published settings and its stack's abilities."""
     cfg, _ = planned_model(repo_file(run.model))
     stack = load_stack(repo_file(run.stack))
-    cluster = stack_cluster(cluster_for_chip(run.chip, efficiency=None), stack)
+    cluster = stack_cluster(cluster_for_chip(run.chip, efficiency=None), stack, run.memory_gib)
     restrict = of_stack(stack).joined(Restrict(tuple((k, (v,)) for k, v in run.layout.items())))
     plan = search(cfg, run.gpus, run.seq_len, run.seq_len * run.sequences, cluster, stack.precision, run.recipe,
                   restrict)

@@ -71,6 +71,8 @@ class Precision:
     master: float = 0  # of `optimizer`, the bytes of the fp32 master copy (shown apart; sharded alike)
     grad_buffer: str = "sharded"  # "full": `grad` bytes for every parameter of the rank whatever the ZeRO stage
     fused_norm: bool | None = None  # None: as `fused`; a stack may pair a fused RMSNorm with eager RoPE and SwiGLU
+    fused_loss: bool | None = None  # None: as `fused` (`loss_transient_bytes`)
+    selective: str = "matmuls"  # what `--recompute selective` keeps (`SELECTIVE_POLICIES`)
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
@@ -84,12 +86,13 @@ BF16_MIXED = Precision(param=2, grad=2, optimizer=12, activation=2, residual=2, 
 # second linear keeps its own input: 3 of the trainer's 4 tensors of the feed-forward's width); sequence-parallel
 # linears that keep their input sharded and all-gather it again in the backward
 # (`LinearWithGradAccumulationAndAsyncCommunication`, overlapped with the input-gradient GEMM: not charged).
-BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True, master=4)
+BF16_MEGATRON = Precision(2, 2, 12, 2, 2, fused=True, sp_regather=True, master=4, selective="core_attention")
 # DeepSeek-V3's stack (DeepSeek-AI 2024, §3.3.3): the AdamW moments in BF16, the master weights and the gradients
 # (accumulated over the micro-batches) kept in FP32: 4 + 2 + 2 bytes of optimizer state, 4 of gradient; its kernels'
 # activations (`deepseek_saves`: FP8 copies, §3.3.2; norms and MLA's up-projections recomputed, §3.2.3), Megatron-LM's
 # under full recomputation (each block's input).
-BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True, fp8_saved=True, master=4)
+BF16_DEEPSEEK = Precision(2, 4, 8, 2, 2, fused=True, sp_regather=True, fp8_saved=True, master=4,
+                          selective="core_attention")
 PRECISIONS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # the planner's --kernels
 
 
@@ -103,6 +106,18 @@ def precision_words(precision: Precision) -> str:
              if precision.fp8_saved else "; Megatron-LM's kernels' activations" if precision.sp_regather else ""))
 
 
+# What a stack's selective recomputation keeps of a block: "matmuls", this trainer's (`train.blocks.keep_matmuls`,
+# every matmul's and the attention kernel's output); "alternate_matmuls", torchtitan's op-level policy (the outputs
+# of a block's 1st, 3rd, 5th, ... `aten.mm` and of SDPA: every second matmul recomputed); "core_attention",
+# Megatron-LM's (Korthikanti et al. 2022, §5: only the attention core recomputed, which under FlashAttention keeps
+# what its backward needs anyway: the bytes of no recomputation).
+SELECTIVE_POLICIES = ("matmuls", "alternate_matmuls", "core_attention")
+
+
+# MemoryEstimate's byte terms, in its order (`--json --all`'s overflow_term is the largest of them)
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "recompute_transient", "loss_transient", "gathered")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     params: float
@@ -111,10 +126,14 @@ class MemoryEstimate:
     activations: float
     recompute_transient: float = 0.0  # the block recomputed in the backward (full recompute), on top of the rest
     stage: int = 0  # the pipeline rank these bytes are for (the heaviest, when the estimate is for a layout)
+    loss_transient: float = 0.0  # the loss's logits and their gradient beyond the saved softmax (the head's rank)
+    gathered: float = 0.0  # ZeRO-3's gathered units and one unit's unsharded gradients (`zero3_gathered_bytes`)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute_transient
+        # the loss's transient is gone before the first block's backward recomputes it: the larger of the two
+        return self.params + self.grads + self.optimizer + self.activations + \
+            max(self.recompute_transient, self.loss_transient) + self.gathered
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,9 +190,8 @@ def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, st
     return len(layers) - moe, moe
 
 
-def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0, mtp_depth: int = 0) -> dict[str, int]:
-    """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO); `mtp_depth`:
-    multi-token prediction's weights beside its blocks on the head's rank (`plan.mtp`; `cfg` counts its blocks)."""
+def _block_params(cfg: ModelConfig, layout: Layout, moe: bool) -> tuple[int, int]:
+    """(dense, experts): the parameters one rank holds of one dense or MoE block (before ZeRO)."""
     tp = layout.dims.tp
     attn, attn_extra = _attention_weights(cfg)
     if cfg.attention == "mla":  # the latent down-projections are replicated over tp, the rest split by heads
@@ -182,17 +200,25 @@ def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0, mtp_depth: int
         attn_local = latent + (attn - latent) // tp + attn_extra
     else:
         attn_local = attn // tp + attn_extra // tp
+    dense = attn_local + 2 * cfg.d_model  # two RMSNorm gains per block, replicated
+    if not moe:
+        w, b = _dense_mlp(cfg)
+        return dense + (w + b) // tp, 0
+    m, d = cfg.moe, cfg.d_model
+    d_expert = m.d_expert or cfg.d_ff
+    dense += d * m.n_experts + 3 * d * d_expert * m.n_shared_experts  # router, shared experts
+    return dense, 3 * d * d_expert * m.n_experts // layout.dims.ep
+
+
+def rank_params(cfg: ModelConfig, layout: Layout, stage: int = 0, mtp_depth: int = 0) -> dict[str, int]:
+    """{"dense", "experts"}: parameters held by one rank of pipeline stage `stage` (before ZeRO); `mtp_depth`:
+    multi-token prediction's weights beside its blocks on the head's rank (`plan.mtp`; `cfg` counts its blocks)."""
+    tp = layout.dims.tp
     o = layout.options
     n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, o.virtual_stages, stage, o.schedule)
-    dense = (n_dense + n_moe) * (attn_local + 2 * cfg.d_model)  # two RMSNorm gains per block, replicated
-    experts = 0
-    if n_moe:
-        moe, d = cfg.moe, cfg.d_model
-        d_expert = moe.d_expert or cfg.d_ff
-        dense += n_moe * (d * moe.n_experts + 3 * d * d_expert * moe.n_shared_experts)  # router, shared experts
-        experts = n_moe * (3 * d * d_expert * moe.n_experts // layout.dims.ep)
-    w, b = _dense_mlp(cfg)
-    dense += n_dense * ((w + b) // tp)
+    (dense_block, _), (moe_dense, moe_experts) = _block_params(cfg, layout, False), _block_params(cfg, layout, True)
+    dense = n_dense * dense_block + n_moe * moe_dense
+    experts = n_moe * moe_experts
     if stage == 0:
         dense += cfg.vocab_size * cfg.d_model // tp
     if stage == head_stage(o.schedule, layout.dims.pp):  # under a V the first stage: a tied head is its embedding
@@ -312,6 +338,35 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
     return norms + attention + mlp
 
 
+def _block_matmul_widths(cfg: ModelConfig, layer: int, layout: Layout) -> list[int]:
+    """The output width per token of each `aten.mm` a block runs on one rank, in the forward's order (a row-parallel
+    linear's output whole before its reduction; routed experts run grouped GEMMs, not `mm`)."""
+    tp, d = layout.dims.tp, cfg.d_model
+    if cfg.attention == "mla":
+        m, h = cfg.mla, cfg.n_heads // tp
+        d_qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = [m.q_lora_rank, h * d_qk] if m.q_lora_rank else [h * d_qk]
+        widths = [*q, m.kv_lora_rank + m.qk_rope_head_dim, h * (m.qk_nope_head_dim + m.v_head_dim), d]
+    else:
+        kv = kv_heads_per_rank(cfg, tp) * cfg.head_dim
+        widths = [cfg.n_heads // tp * cfg.head_dim, kv, kv, d]
+    if not _is_moe_layer(cfg, layer):
+        return widths + [cfg.d_ff // tp, cfg.d_ff // tp, d]
+    d_expert = cfg.moe.d_expert or cfg.d_ff
+    return widths + [cfg.moe.n_experts] + [d_expert, d_expert, d] * cfg.moe.n_shared_experts
+
+
+def alternate_matmuls_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int,
+                            residual: int) -> float:
+    """Bytes a block keeps under torchtitan's op-level selective recomputation: its input, the 1st, 3rd, 5th, ...
+    matmul's output and the attention kernel's output and log-sum-exp."""
+    n, tp = tokens, layout.dims.tp
+    kept = residual * n * cfg.d_model / layout.sp_degree + p * n * sum(_block_matmul_widths(cfg, layer, layout)[::2])
+    heads = cfg.n_heads // tp
+    v_dim = cfg.mla.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    return kept + p * n * heads * v_dim + 4 * n * heads
+
+
 def selective_layer_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int, residual: int) -> float:
     """Bytes one block keeps under selective recomputation (`train.blocks.keep_matmuls`): its input (the
     checkpoint's, sequence-split under SP) and the output of every matmul and of the attention kernel; norms, RoPE,
@@ -349,6 +404,28 @@ def head_activation_bytes(cfg: ModelConfig, tokens: int, layout: Layout, p: int,
         4 * tokens * cfg.vocab_size / layout.dims.tp + 8 * tokens
 
 
+def loss_transient_bytes(cfg: ModelConfig, tokens: int, tp: int, fused_loss: bool) -> float:
+    """What the loss holds beyond the fp32 softmax it saves, at its peak. Eager (`F.cross_entropy` over the logits'
+    fp32 copy, this trainer's and torchtitan's): the fp32 logits beside the softmax forward, then the softmax's
+    incoming and outgoing gradients backward, 8 bytes per logit (tests/test_plan_inputs.py measures it). Fused
+    (Megatron-LM's vocab-parallel cross-entropy: exp in place, the gradient written into the saved softmax): the bf16
+    logits beside their fp32 copy, 2 bytes per logit."""
+    return (2 if fused_loss else 8) * tokens * cfg.vocab_size / tp
+
+
+def zero3_gathered_bytes(cfg: ModelConfig, layout: Layout, precision: Precision, stage: int) -> float:
+    """ZeRO-3's working set: two units' weights gathered whole (the one computing, the next prefetched, as FSDP2
+    does) and one unit's unsharded gradients before their reduce-scatter. A unit is a block, or the embedding or the
+    head on the ranks that hold them; the largest this rank holds is charged."""
+    if layout.options.zero != 3:
+        return 0.0
+    n_dense, n_moe = stage_kinds(cfg, layout.dims.pp, layout.options.virtual_stages, stage, layout.options.schedule)
+    units = [sum(_block_params(cfg, layout, moe)) for moe, n in ((False, n_dense), (True, n_moe)) if n]
+    holds_vocab = stage == 0 or stage == head_stage(layout.options.schedule, layout.dims.pp)
+    units += [cfg.vocab_size * cfg.d_model // layout.dims.tp] if holds_vocab else []
+    return max(units, default=0) * (2 * precision.param + precision.grad)
+
+
 def memoized(memo: dict | None, key: tuple, compute: Callable[[], T]) -> T:
     """`compute()`, kept in `memo` under `key` (a search's dict: the pieces many layouts share computed once);
     None: computed every call."""
@@ -372,9 +449,12 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
         if precision.fp8_saved:
             return deepseek_saves.layer_bytes(cfg, layer, tokens, layout, r)
         return layer_activation_bytes(cfg, layer, tokens, layout, p, *kernels)
-    return memoized(memo, key, lambda: (saved(0), saved(moe_index),
-                                        selective_layer_bytes(cfg, 0, tokens, layout, p, r),
-                                        selective_layer_bytes(cfg, moe_index, tokens, layout, p, r)))
+    def kept(layer: int) -> float:  # under selective recomputation, by the stack's policy
+        if precision.selective == "core_attention":
+            return saved(layer)
+        policy = alternate_matmuls_bytes if precision.selective == "alternate_matmuls" else selective_layer_bytes
+        return policy(cfg, layer, tokens, layout, p, r)
+    return memoized(memo, key, lambda: (saved(0), saved(moe_index), kept(0), kept(moe_index)))
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, precision: Precision = FP32,
@@ -434,7 +514,12 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch:
            layout.recompute, micro_batch, seq_len, stage)
     acts, transient = memoized(memo, key, lambda: activation_bytes(cfg, layout, seq_len, micro_batch, precision,
                                                                    stage, memo, mtp_depth))
-    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage)
+    head = stage == head_stage(o.schedule, d.pp)
+    fused_loss = precision.fused if precision.fused_loss is None else precision.fused_loss
+    loss = loss_transient_bytes(cfg, micro_batch * seq_len // d.cp, d.tp, fused_loss) if head else 0.0
+    gathered = zero3_gathered_bytes(cfg, layout, precision, stage)
+    return MemoryEstimate(states["params"], states["grads"], states["optimizer"], acts, transient, stage, loss,
+                          gathered)
 
 
 def stage_classes(cfg: ModelConfig, layout: Layout) -> list[int]:

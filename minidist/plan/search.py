@@ -49,6 +49,7 @@ from minidist.plan.cluster import Cluster, attention_source, efficiency_source, 
 from minidist.plan.explain import LEFT_OUT, evaluate
 from minidist.plan.rank_memory import (
     BF16_MIXED,
+    MEMORY_TERMS,
     MemoryEstimate,
     Precision,
     estimate_memory,
@@ -306,7 +307,7 @@ def why_rejected(candidate: Candidate, budget: float) -> str:
     """One line: how far over the memory budget a layout is, and what fills it."""
     mem = candidate.memory
     parts = ", ".join(f"{name} {getattr(mem, name) / GIB:.1f}" for name in
-                      ("params", "grads", "optimizer", "activations", "recompute_transient") if getattr(mem, name))
+                      MEMORY_TERMS if getattr(mem, name))
     return f"needs {mem.total / GIB:.1f} GiB on stage {mem.stage} > {budget / GIB:.1f} GiB usable ({parts} GiB)"
 
 

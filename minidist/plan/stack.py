@@ -15,6 +15,12 @@ file (every one optional; an omitted one takes the `trainer` preset's value):
   (DeepSeek-V3's: FP8 copies, norms, SwiGLU and MLA's up-projections recomputed; needs --fp8);
 * `norm`: "eager" (RMSNorm over an fp32 copy of its input, which autograd keeps) or "fused" (one kernel that keeps
   its input as it is and 1/rms); omitted: as `activations`' kernels have it (eager for "trainer", fused otherwise);
+* `loss`: "eager" (cross-entropy over an fp32 copy of the logits: 8 bytes per logit beyond the saved softmax at its
+  peak) or "fused" (Megatron-LM's vocab-parallel kernel, in place: 2); omitted: as `activations`' kernels;
+* `selective`: what `recompute = "selective"` keeps of a block: "matmuls" (this trainer's: every matmul's and the
+  attention kernel's output), "alternate_matmuls" (torchtitan's op-level policy: every second matmul recomputed) or
+  "core_attention" (Megatron-LM's: only the attention core recomputed, under FlashAttention the bytes of none);
+  omitted: "matmuls" for the "trainer" activations, "core_attention" for the others;
 * `reserved_gib`: GiB per GPU the layouts may not use (CUDA context, NCCL buffers, the allocator's slack); omitted:
   10% of the chip's memory;
 * what the stack can run, restricting the search: `schedules` (of 1f1b, interleaved, zb1, zbv, dualpipev),
@@ -32,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, BF16_MIXED, Precision
+from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, BF16_MIXED, SELECTIVE_POLICIES, Precision
 
 SCHEDULES = ("1f1b", "interleaved", "zb1", "zbv", "dualpipev")
 CP_KINDS = ("ring", "allgather")
 RECOMPUTES = ("none", "selective", "full")
 KERNELS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # `activations`' choices
-NORMS = ("eager", "fused")  # RMSNorm's kernel: an fp32 copy of its input kept, or one fused kernel
+NORMS = ("eager", "fused")  # RMSNorm's and the loss's kernels: over fp32 copies autograd keeps, or one fused kernel
 MAX_STACK_BYTES = 1 << 16  # a stack file is a few lines; anything larger is not one
 
 
@@ -52,6 +58,8 @@ class Stack:
     grad_buffer: str = "sharded"
     activations: str = "trainer"
     norm: str = ""  # "eager" or "fused"; "": as `activations`' kernels
+    loss: str = ""  # the same for the cross-entropy
+    selective: str = ""  # of `SELECTIVE_POLICIES`; "": "matmuls" for this trainer's kernels, else "core_attention"
     reserved_gib: float | None = None  # None: 10% of the chip's memory
     schedules: tuple[str, ...] = SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -67,7 +75,9 @@ class Stack:
         return dataclasses.replace(kernels, param=self.param_bytes, grad=self.grad_bytes,
                                    optimizer=self.master_bytes + self.optimizer_bytes, master=self.master_bytes,
                                    grad_buffer=self.grad_buffer,
-                                   fused_norm=None if not self.norm else self.norm == "fused")
+                                   fused_norm=None if not self.norm else self.norm == "fused",
+                                   fused_loss=None if not self.loss else self.loss == "fused",
+                                   selective=self.selective or kernels.selective)
 
     def reserved_bytes(self, memory_bytes: float) -> float:
         return 0.1 * memory_bytes if self.reserved_gib is None else self.reserved_gib * 2 ** 30
@@ -105,8 +115,10 @@ def stack_from_dict(values: dict[str, Any], path: str) -> Stack:
             raise ValueError(f"{path}: grad_buffer must be \"sharded\" or \"full\", got {value!r}")
         elif key == "activations" and value not in KERNELS:
             raise ValueError(f"{path}: activations must be one of {list(KERNELS)}, got {value!r}")
-        elif key == "norm" and value not in NORMS:
-            raise ValueError(f"{path}: norm must be one of {list(NORMS)}, got {value!r}")
+        elif key in ("norm", "loss") and value not in NORMS:
+            raise ValueError(f"{path}: {key} must be one of {list(NORMS)}, got {value!r}")
+        elif key == "selective" and value not in SELECTIVE_POLICIES:
+            raise ValueError(f"{path}: selective must be one of {list(SELECTIVE_POLICIES)}, got {value!r}")
         elif key == "reserved_gib" and (type(value) not in (int, float) or not math.isfinite(value)
                                         or not 0 <= value <= 1024):
             raise ValueError(f"{path}: reserved_gib must be a number of GiB in 0..1024, got {value!r}")
@@ -154,4 +166,6 @@ def stack_words(stack: Stack) -> str:
             f"{stack.master_bytes:g} + {stack.optimizer_bytes:g} bytes per parameter (weights, gradients, master, "
             f"optimizer), {stack.activations}'s kernels' activations" +
             (f" with {'an' if stack.norm == 'eager' else 'a'} {stack.norm} RMSNorm" if stack.norm else "") +
+            (f", {'an' if stack.loss == 'eager' else 'a'} {stack.loss} loss" if stack.loss else "") +
+            (f", selective recomputation keeping {stack.selective}" if stack.selective else "") +
             (f"; runs {runs}" if runs else ""))
