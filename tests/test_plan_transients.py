@@ -86,3 +86,17 @@ def test_each_stacks_selective_recomputation_keeps_what_its_policy_saves(tmp_pat
     # the alternate policy drops k, the attention's projection and x·W3 of what the trainer's keeps
     per_token = 2 * (cfg.n_kv_heads * cfg.head_dim + cfg.d_model + cfg.d_ff)
     assert acts(matmuls, "selective") - acts(alternate, "selective") == cfg.n_layers * n * per_token
+
+
+def test_torchtitans_selective_recomputation_pays_for_its_recomputed_matmuls(tmp_path):
+    """Every second matmul of each block runs again in the backward: wk, wo and w3 of a Llama block."""
+    from minidist.plan.cluster import cluster_for_chip
+    from minidist.plan.step_time import predict_step
+    cfg, lay = get_preset("llama3-8b"), Layout.of(dp=8, zero=3, recompute="selective")
+    cluster = cluster_for_chip("H100-SXM")
+    matmuls, alternate = (_stack(tmp_path, f'selective = "{k}"\n').precision for k in ("matmuls", "alternate_matmuls"))
+    t_matmuls, t_alternate = (predict_step(cfg, lay, 8192, 16, cluster, p) for p in (matmuls, alternate))
+    d, kv, ff = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
+    again = 2 * (d * kv + d * d + d * ff) * cfg.n_layers * 16 * 8192 / 8  # FLOPs per rank
+    rate = cluster.peak_flops * cluster.efficiency  # the planner's one matmul rate
+    assert t_alternate.compute - t_matmuls.compute == pytest.approx(again / rate, rel=1e-6)

@@ -338,22 +338,28 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: La
     return norms + attention + mlp
 
 
-def _block_matmul_widths(cfg: ModelConfig, layer: int, layout: Layout) -> list[int]:
-    """The output width per token of each `aten.mm` a block runs on one rank, in the forward's order (a row-parallel
-    linear's output whole before its reduction; routed experts run grouped GEMMs, not `mm`)."""
-    tp, d = layout.dims.tp, cfg.d_model
+def _block_matmuls(cfg: ModelConfig, layer: int, tp: int) -> list[tuple[int, int]]:
+    """(input width, output width) per token of each `aten.mm` a block runs on one of `tp` ranks, in the forward's
+    order (a row-parallel linear's output whole before its reduction; routed experts run grouped GEMMs, not `mm`)."""
+    d = cfg.d_model
     if cfg.attention == "mla":
         m, h = cfg.mla, cfg.n_heads // tp
         d_qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = [m.q_lora_rank, h * d_qk] if m.q_lora_rank else [h * d_qk]
-        widths = [*q, m.kv_lora_rank + m.qk_rope_head_dim, h * (m.qk_nope_head_dim + m.v_head_dim), d]
+        q = [(d, m.q_lora_rank), (m.q_lora_rank, h * d_qk)] if m.q_lora_rank else [(d, h * d_qk)]
+        mms = [*q, (d, m.kv_lora_rank + m.qk_rope_head_dim),
+               (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)), (h * m.v_head_dim, d)]
     else:
-        kv = kv_heads_per_rank(cfg, tp) * cfg.head_dim
-        widths = [cfg.n_heads // tp * cfg.head_dim, kv, kv, d]
+        q, kv = cfg.n_heads // tp * cfg.head_dim, kv_heads_per_rank(cfg, tp) * cfg.head_dim
+        mms = [(d, q), (d, kv), (d, kv), (q, d)]
     if not _is_moe_layer(cfg, layer):
-        return widths + [cfg.d_ff // tp, cfg.d_ff // tp, d]
+        return mms + [(d, cfg.d_ff // tp), (d, cfg.d_ff // tp), (cfg.d_ff // tp, d)]
     d_expert = cfg.moe.d_expert or cfg.d_ff
-    return widths + [cfg.moe.n_experts] + [d_expert, d_expert, d] * cfg.moe.n_shared_experts
+    return mms + [(d, cfg.moe.n_experts)] + [(d, d_expert), (d, d_expert), (d_expert, d)] * cfg.moe.n_shared_experts
+
+
+def alternate_recomputed_flops_per_token(cfg: ModelConfig) -> float:
+    """FLOPs per token, all blocks, of the matmuls torchtitan's op-level policy runs again (every second one)."""
+    return sum(2.0 * a * b for layer in range(cfg.n_layers) for a, b in _block_matmuls(cfg, layer, 1)[1::2])
 
 
 def alternate_matmuls_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: Layout, p: int,
@@ -361,7 +367,8 @@ def alternate_matmuls_bytes(cfg: ModelConfig, layer: int, tokens: int, layout: L
     """Bytes a block keeps under torchtitan's op-level selective recomputation: its input, the 1st, 3rd, 5th, ...
     matmul's output and the attention kernel's output and log-sum-exp."""
     n, tp = tokens, layout.dims.tp
-    kept = residual * n * cfg.d_model / layout.sp_degree + p * n * sum(_block_matmul_widths(cfg, layer, layout)[::2])
+    kept = residual * n * cfg.d_model / layout.sp_degree + \
+        p * n * sum(out for _, out in _block_matmuls(cfg, layer, tp)[::2])
     heads = cfg.n_heads // tp
     v_dim = cfg.mla.v_head_dim if cfg.attention == "mla" else cfg.head_dim
     return kept + p * n * heads * v_dim + 4 * n * heads

@@ -63,7 +63,13 @@ from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan import deepseek_saves, gemm_table, mtp
 from minidist.plan.cluster import Cluster, fp8_rate
 from minidist.plan.elementwise import elementwise_seconds
-from minidist.plan.rank_memory import Precision, busiest_stage_kinds, memoized, rank_params
+from minidist.plan.rank_memory import (
+    Precision,
+    alternate_recomputed_flops_per_token,
+    busiest_stage_kinds,
+    memoized,
+    rank_params,
+)
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
 
 
@@ -251,6 +257,8 @@ def _stage_time(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch: in
     if replayed:  # their GEMMs: MLA's up-projections' forward, again in the backward (`deepseek_saves`)
         per_token = dataclasses.replace(per_token,
                                         total=per_token.total + deepseek_saves.recomputed_flops_per_token(cfg))
+    if layout.recompute == "selective" and precision.selective == "alternate_matmuls":  # torchtitan's policy
+        per_token = dataclasses.replace(per_token, total=per_token.total + alternate_recomputed_flops_per_token(cfg))
     flops = step_flops_per_rank(cfg, layout, seq_len, global_batch, per_token)
     dims, o = layout.dims, layout.options
     m, p = o.microbatches, precision.activation
