@@ -18,12 +18,12 @@ from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     TOLERANCE,
-    chunks_in_flight,
     estimate_memory,
     layer_activation_bytes,
     model_state_bytes,
     rank_params,
 )
+from minidist.plan.stages import chunks_in_flight
 
 CFG = get_preset("tiny", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
 MOE = CFG.replace(moe={"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "d_expert": 64, "first_dense_layers": 1})
@@ -111,7 +111,7 @@ def test_interleaved_in_flight_is_megatrons_warm_up(pp, v):
     """`chunks_in_flight` of the interleaved schedule is Megatron's warm-up plus one, 2(p − r − 1) + (v − 1)g + 1
     (at most m·v; g the first group's micro-batches: p when p divides m, more when it does not), a formula: checked
     here on the built schedules, m a multiple of p or not."""
-    from minidist.plan.rank_memory import built_in_flight
+    from minidist.plan.stages import built_in_flight
 
     for m in sorted({pp, pp + 1, 2 * pp, 2 * pp + 1, 3 * pp - 1, 3 * pp, 5 * pp, 5 * pp + pp // 2, 7 * pp + 3}):
         for stage, peak in enumerate(built_in_flight("interleaved", pp, m, v)):
@@ -123,7 +123,7 @@ def test_zero_bubble_in_flight_counts_come_from_their_schedules():
     built schedule, not with the interleaved schedule's warm-up formula (which made zb1 look like 2p − 1 micro-batches
     on the first stage). ZB-H1 holds p micro-batches on every rank, as 1F1B's first stage does (Qi et al. 2023);
     ZB-V holds 2p chunk passes of half the layers; DualPipeV one more."""
-    from minidist.plan.rank_memory import chunks_in_flight
+    from minidist.plan.stages import chunks_in_flight
 
     p, m = 4, 8
     first_1f1b = chunks_in_flight("1f1b", p, m, 1, 0)

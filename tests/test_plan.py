@@ -158,7 +158,7 @@ def test_huge_inputs_answer_quickly_or_refuse_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "more than any layout can use" in err
     # a million micro-batches: the interleaved peak in flight is a formula, no schedule built
-    from minidist.plan.rank_memory import chunks_in_flight
+    from minidist.plan.stages import chunks_in_flight
     assert chunks_in_flight("interleaved", 4, 4 * 10**6, 2, 0) == chunks_in_flight("interleaved", 4, 8, 2, 0)
     assert chunks_in_flight("interleaved", 64, 8 * 10**6 + 1, 8, 0) == 2 * 63 + 7 * 65 + 1  # groups of 64 and 65
     assert main(["--model", "tiny", "--gpus", "8", "--seq-len", "256", "--global-batch-tokens", "1000G",

@@ -13,8 +13,9 @@ from minidist.parallel import Layout
 from minidist.plan import deepseek_saves, mtp
 from minidist.plan.cli import main
 from minidist.plan.cluster import cluster_for_chip, fp8_rate
-from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, estimate_memory, head_stage, rank_params
+from minidist.plan.rank_memory import BF16_DEEPSEEK, BF16_MEGATRON, estimate_memory, rank_params
 from minidist.plan.search import search
+from minidist.plan.stages import head_stage
 from minidist.plan.step_time import Recipe, predict_step, token_flops
 
 MLA_MOE = dict(attention="mla", mla=dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,

@@ -29,7 +29,8 @@ from minidist.plan.gemm_table import (
     model_gemm_grid,
     training_gemms,
 )
-from minidist.plan.rank_memory import BF16_MIXED, busiest_stage_kinds
+from minidist.plan.rank_memory import BF16_MIXED
+from minidist.plan.stages import busiest_stage_kinds
 from minidist.plan.step_time import predict_step, step_flops_per_rank
 
 SEQ, SEQUENCES = 4096, 64

@@ -22,15 +22,13 @@ from minidist.plan.rank_memory import (
     BF16_MIXED,
     FP32,
     activation_bytes,
-    built_in_flight,
-    chunks_in_flight,
     estimate_memory,
     head_activation_bytes,
     layer_activation_bytes,
     rank_params,
-    stage_kinds,
 )
 from minidist.plan.search import search
+from minidist.plan.stages import built_in_flight, chunks_in_flight, stage_kinds
 from minidist.plan.step_time import Recipe, expert_all_to_all, predict_step
 
 

@@ -37,7 +37,7 @@ from minidist.parallel.pp.split_backward import (
     backward_weight_simple,
 )
 from minidist.parallel.pp.zero_bubble import build_any_schedule, zb_bubble_formula, zb_makespan
-from minidist.plan.rank_memory import built_in_flight
+from minidist.plan.stages import built_in_flight
 
 # ---------------------------------------------------------------------------------------------------------------
 # The split: B + W = the fused backward, bit for bit, and W does not walk the input's path again

@@ -15,13 +15,11 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   by tensor below; the head: the final norm, the log-softmax of the (vocab-split) logits. Under full recomputation
   (Chen et al. 2016) a block keeps only its input; the one block being recomputed is `recompute_transient`; under
   selective recomputation (`train.blocks.keep_matmuls`) its input and its matmul and attention outputs. A
-  pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, counted on the
-  schedule itself (`zero_bubble.build_any_schedule`): p − r micro-batches for 1F1B, m for AFAB (chapter 09); under
-  chapter 15's schedules a forward lives until its W (ZB-H1: p on every rank, ZB-V 2p chunk passes, DualPipeV
-  2p + 1). ZB-V and DualPipeV place two chunks per rank in a V (`placement`): rank 0 holds the embedding and the
-  head. `Precision.fused` / `sp_regather`: Megatron-LM's kernels' saved tensors in place of this trainer's
-  (`BF16_MEGATRON`); `fp8_saved`: DeepSeek-V3's (`deepseek_saves`). Multi-token prediction's projections and second
-  head pass on the head's rank (`mtp`).
+  pipeline rank holds the chunk-forwards its schedule keeps in flight at the worst moment, and its blocks where the
+  schedule places them (`stages`: p − r micro-batches for 1F1B, m for AFAB, until W under chapter 15's schedules;
+  under ZB-V and DualPipeV rank 0 holds the embedding and the head). `Precision.fused` / `sp_regather`:
+  Megatron-LM's kernels' saved tensors in place of this trainer's (`BF16_MEGATRON`); `fp8_saved`: DeepSeek-V3's
+  (`deepseek_saves`). Multi-token prediction's projections and second head pass on the head's rank (`mtp`).
 
 Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
 padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's
@@ -32,7 +30,6 @@ every expert gets its share; a real router does not), the temporary tensors of a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -43,11 +40,9 @@ from minidist.model.config import ModelConfig
 from minidist.parallel.cp.core import kv_heads_per_rank
 from minidist.parallel.cp.traffic import gathered_kv_bytes
 from minidist.parallel.layout import Layout
-from minidist.parallel.pp.pipeline import chunk_layers
-from minidist.parallel.pp.schedules import V_SCHEDULES, ZB_SCHEDULES, B, F, W, chunk_rank, rank_chunks
-from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
+from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan import deepseek_saves, mtp
-from minidist.plan.schedule_costs import PLATEAU
+from minidist.plan.stages import chunks_in_flight, first_moe_layer, head_stage, placement, stage_kinds
 
 T = TypeVar("T")
 
@@ -136,60 +131,6 @@ class MemoryEstimate:
             max(self.recompute_transient, self.loss_transient) + self.gathered
 
 
-@functools.lru_cache(maxsize=64)
-def placement(schedule: str, virtual_stages: int) -> tuple[int, bool]:
-    """(chunks per rank, whether they sit in a V): zbv and dualpipev place two chunks per rank themselves, rank r
-    holding chunks r and 2p−1−r (so rank 0 holds the first and the last: the embedding and the head); the other
-    schedules `virtual_stages` chunks in a loop (chunk c on rank c mod p)."""
-    return chunks_per_rank(schedule, virtual_stages), schedule in V_SCHEDULES
-
-
-def head_stage(schedule: str, pp: int) -> int:
-    """The pipeline rank that holds the last chunk (the final norm, the head and the loss): p − 1 in a loop, 0 in a
-    V (`schedules.chunk_rank`)."""
-    chunks, v_shape = placement(schedule, 1)  # in a loop the last chunk is on rank p − 1 whatever v
-    return chunk_rank(chunks * pp - 1, pp, v_shape)
-
-
-@functools.lru_cache(maxsize=65536)
-def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int, v_shape: bool = False) -> tuple[int, ...]:
-    """The layer indices pipeline rank `stage` holds (all its chunks)."""
-    chunks = chunk_layers(n_layers, pp, virtual_stages)
-    return tuple(i for c in rank_chunks(stage, pp, virtual_stages, v_shape) for i in chunks[c])
-
-
-def stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, stage: int, schedule: str = "1f1b") -> tuple[int, int]:
-    """(dense blocks, MoE blocks) pipeline rank `stage` holds under `schedule`'s placement."""
-    v, v_shape = placement(schedule, virtual_stages)
-    return _stage_kinds(cfg.n_layers, _first_moe_layer(cfg), pp, v, stage, v_shape)
-
-
-def _first_moe_layer(cfg: ModelConfig) -> int:
-    """The index of the first MoE block (n_layers for a dense model)."""
-    return cfg.moe.first_dense_layers if cfg.moe.n_experts else cfg.n_layers
-
-
-def busiest_stage_kinds(cfg: ModelConfig, pp: int, virtual_stages: int, schedule: str = "1f1b") -> tuple[int, int]:
-    """(dense blocks, MoE blocks) of the pipeline rank with the most blocks, the most MoE blocks among those: the
-    one whose per-block communication sets the pace."""
-    v, v_shape = placement(schedule, virtual_stages)
-    return _busiest(cfg.n_layers, _first_moe_layer(cfg), pp, v, v_shape)
-
-
-@functools.lru_cache(maxsize=65536)
-def _busiest(n_layers: int, first_moe: int, pp: int, virtual_stages: int, v_shape: bool) -> tuple[int, int]:
-    kinds = (_stage_kinds(n_layers, first_moe, pp, virtual_stages, s, v_shape) for s in range(pp))
-    return max(kinds, key=lambda k: (sum(k), k[1]))
-
-
-@functools.lru_cache(maxsize=65536)
-def _stage_kinds(n_layers: int, first_moe: int, pp: int, virtual_stages: int, stage: int,
-                 v_shape: bool = False) -> tuple[int, int]:
-    layers = _stage_layers(n_layers, pp, virtual_stages, stage, v_shape)
-    moe = sum(i >= first_moe for i in layers)
-    return len(layers) - moe, moe
-
-
 def _block_params(cfg: ModelConfig, layout: Layout, moe: bool) -> tuple[int, int]:
     """(dense, experts): the parameters one rank holds of one dense or MoE block (before ZeRO)."""
     tp = layout.dims.tp
@@ -243,45 +184,6 @@ def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = F
         for part in out:
             out[part] += states[part]
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def chunks_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, stage: int = 0) -> int:
-    """The most (micro-batch, chunk) forwards whose backward has not run yet, on pipeline rank `stage`."""
-    if pp == 1:
-        return 1  # micro-batches run one after the other: one forward's activations at a time
-    if schedule == "afab":
-        return microbatches * virtual_stages
-    if schedule == "1f1b":
-        return min(microbatches, pp - stage)
-    if schedule == "interleaved":
-        # Megatron's interleaved warm-up, 2(p − r − 1) + (v − 1)·g forwards (g: the first group's micro-batches, p
-        # when p divides m), then one more before the first backward (Narayanan et al. 2021, §2.2;
-        # tests/test_memory_estimate.py checks it against the built schedules): the search asks this for millions
-        # of micro-batches, which are not worth building
-        first_group = -(-microbatches // (microbatches // pp)) if microbatches >= pp else microbatches  # the largest
-        return min(2 * (pp - stage - 1) + (virtual_stages - 1) * first_group + 1, microbatches * virtual_stages)
-    if schedule in ZB_SCHEDULES:  # the peaks stop growing: one build serves every larger m
-        microbatches = min(microbatches, PLATEAU * pp)
-    return built_in_flight(schedule, pp, microbatches, virtual_stages)[stage]
-
-
-@functools.lru_cache(maxsize=1024)
-def built_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """Every rank's most chunk-forwards alive at once, counted on the built schedule (`build_any_schedule`): a
-    forward lives until its backward, or its W where the schedule splits the backward (the tensors W needs, the
-    rest of the forward's with them in this trainer). `chunks_in_flight` asks it for at most `schedule_costs.PLATEAU`·p
-    micro-batches of a zero-bubble schedule (its peaks no longer grow), so a search over millions costs one build."""
-    peaks = []
-    for actions in build_any_schedule(schedule, pp, microbatches, virtual_stages):
-        release = W if any(a.kind == W for a in actions) else B  # zero-bubble: a forward's tensors live until W
-        live = peak = 0
-        for action in actions:
-            if action.kind in (F, release):
-                live += 1 if action.kind == F else -1
-                peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 def _norm_bytes(n: int, dim: int, p: int, sp_tp: int = 1, fused: bool = False) -> float:
@@ -448,7 +350,7 @@ def _block_bytes(cfg: ModelConfig, layout: Layout, tokens: int, precision: Preci
     """(a dense block's saved bytes, an MoE block's, the same kept under selective recomputation): the same for
     every stage, so a search (`memo`: its own dict, one model) computes them once per shape."""
     key = ("blocks", tokens, layout.dims.tp, layout.sp_degree, layout.dims.cp, layout.options.cp_impl)
-    first_moe, p, r = _first_moe_layer(cfg), precision.activation, precision.residual
+    first_moe, p, r = first_moe_layer(cfg), precision.activation, precision.residual
     moe_index = first_moe if first_moe < cfg.n_layers else 0
     kernels = (precision.fused, precision.sp_regather, precision.fused_norm)
 

@@ -26,7 +26,7 @@ from minidist.parallel.pp.zero_bubble import build_any_schedule, chunks_per_rank
 
 # Past this many micro-batches per pipeline rank a zero-bubble schedule only lengthens its steady state (its fill,
 # drain and peaks in flight stay as they are; the tests check it): DualPipeV is simulated and paired, and
-# `rank_memory.chunks_in_flight` counts the peaks, on the schedule built with at most this many.
+# `stages.chunks_in_flight` counts the peaks, on the schedule built with at most this many.
 PLATEAU = 2
 SIMULATED_UP_TO = 16  # pipeline ranks; beyond, DualPipeV's excess grows by the same amount per rank (tests check it)
 

@@ -29,7 +29,7 @@ dimension, the pipeline bubble, and which communication hides behind compute.
 * Pipeline: the exposed per-micro-batch work stretches by the bubble, busy / (1 − bubble), with
   `schedule_costs.pipeline_bubble` ((p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1); ZB-H1, ZB-V and DualPipeV for the
   stage's T_F : T_B : T_W). The V schedules place two chunks per rank (the embedding and the head on rank 0,
-  `rank_memory.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
+  `stages.placement`). DualPipeV's overlapped (F, B) pairs (`schedule_costs.paired_share` of the forwards)
   hide the pipeline sends and the ep all-to-all behind the paired chunk's compute, each pair max(compute,
   communication) (DeepSeek-AI 2024, §3.2.1).
 * DeepSeek-V3's kernels (`Precision.fp8_saved`, `plan.deepseek_saves`) without further recomputation: MLA's
@@ -63,14 +63,9 @@ from minidist.parallel.pp.zero_bubble import chunks_per_rank
 from minidist.plan import deepseek_saves, gemm_table, mtp
 from minidist.plan.cluster import Cluster, fp8_rate
 from minidist.plan.elementwise import elementwise_seconds
-from minidist.plan.rank_memory import (
-    Precision,
-    alternate_recomputed_flops_per_token,
-    busiest_stage_kinds,
-    memoized,
-    rank_params,
-)
+from minidist.plan.rank_memory import Precision, alternate_recomputed_flops_per_token, memoized, rank_params
 from minidist.plan.schedule_costs import paired_share, pipeline_bubble, split_costs
+from minidist.plan.stages import busiest_stage_kinds
 
 
 @dataclass(frozen=True)
