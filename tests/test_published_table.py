@@ -4,6 +4,7 @@ ran called fitting (the one miss named); the reported out-of-memory called over;
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,16 @@ def test_reported_memory_is_not_underestimated(predicted):
         assert p.gib + p.reserved_gib >= p.run.reported_gib, \
             f"{p.run.name}: {p.gib:.1f} + {p.reserved_gib:.1f} GiB predicted < {p.run.reported_gib:.1f} reported"
         assert p.gib <= p.run.reported_gib  # the model's own bytes are what a device holds less its overhead
+
+
+def test_the_prose_states_the_computed_memory(predicted):
+    """The figures "What it says" quotes: the out-of-memory row's bytes, and torchtitan's 13B on the eager and on
+    the fused RMSNorm (the stack file the run's preset called for)."""
+    text = DOCS.read_text()
+    oom = next(p for p in predicted if p.run.reported_oom)
+    assert f"is called over: {oom.gib:.1f} GiB" in text, f"{oom.run.name}: the docs do not say {oom.gib:.1f} GiB"
+    fused = next(p for p in predicted if "13B" in p.run.name)
+    eager = predict(dataclasses.replace(fused.run, stack="configs/stacks/torchtitan.toml"))
+    assert not eager.fits and fused.fits
+    assert f"called over ({eager.gib:.1f} GiB of 72 usable)" in text, f"eager 13B: {eager.gib:.1f} GiB"
+    assert f"it needs {fused.gib:.1f}\n  GiB" in text or f"it needs {fused.gib:.1f} GiB" in text, fused.gib
