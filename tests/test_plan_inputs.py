@@ -177,6 +177,7 @@ def test_explain_file_answers_each_line_as_explain_does(tmp_path, capsys):
     ("dp=8 schedule=foo\n", "schedule='foo' is unknown"),
     ("dp=1 tp=8\n", "tp=8 must divide the 4 heads"),
     ("dp=4 tp=4\n", "dp·tp·pp·cp = 16, not the 8 GPUs"),
+    ("dp=2 tp=1 pp=4\ndp=2 pp=4 schedule=zb1 microbatches=1\n", "line 2: zb1 needs microbatches >= pp"),
 ])
 def test_hostile_layout_files_are_one_line_without_a_hang(tmp_path, capsys, text, needle):
     start = time.monotonic()

@@ -79,41 +79,47 @@ def read_layout_file(path: str) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def _check_given(cfg: ModelConfig, layout: Layout, number: int) -> None:
-    """One-line ValueError for a layout outside the search that no run could have (names, heads, layers)."""
+def _check_given(cfg: ModelConfig, layout: Layout, gpus: int, sequences: int) -> None:
+    """ValueError for a layout outside the search that no run could have (names, heads, layers, GPUs, batch)."""
     o, d = layout.options, layout.dims
     names = {"schedule": (o.schedule, (*SCHEDULES, "afab")), "recompute": (layout.recompute, RECOMPUTES),
              "cp_impl": (o.cp_impl, (*CP_KINDS, "ulysses"))}
     for key, (value, allowed) in names.items():
         if value not in allowed:
-            raise ValueError(f"--explain-file line {number}: {key}={value!r} is unknown; choose one of {allowed}")
+            raise ValueError(f"{key}={value!r} is unknown; choose one of {allowed}")
     if cfg.n_heads % d.tp or d.pp > cfg.n_layers or min(d.dp, d.tp, d.pp, d.cp, d.ep, o.microbatches) < 1:
-        raise ValueError(f"--explain-file line {number}: tp={d.tp} must divide the {cfg.n_heads} heads, pp={d.pp} be "
-                         f"at most the {cfg.n_layers} layers, every degree >= 1")
+        raise ValueError(f"tp={d.tp} must divide the {cfg.n_heads} heads, pp={d.pp} be at most the {cfg.n_layers} "
+                         "layers, every degree >= 1")
+    if d.dp * d.tp * d.pp * d.cp != gpus:
+        raise ValueError(f"dp·tp·pp·cp = {d.dp * d.tp * d.pp * d.cp:,}, not the {gpus:,} GPUs")
+    if sequences % (d.dp * o.microbatches):
+        raise ValueError(f"dp x micro-batches = {d.dp * o.microbatches} does not divide the {sequences} sequences")
+
+
+def _given(cfg: ModelConfig, plan: Plan, settings: dict[str, Any], gpus: int, seq_len: int, sequences: int,
+           cluster: Cluster, memo: dict) -> Candidate:
+    """A layout the search did not try, evaluated as given (settings not named at `Layout.of`'s defaults)."""
+    layout = Layout.of(**settings)
+    _check_given(cfg, layout, gpus, sequences)
+    return Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision, plan.recipe,
+                                       memo=memo))
 
 
 def explain_rows(cfg: ModelConfig, plan: Plan, layouts: list[tuple[int, dict[str, Any]]], gpus: int, seq_len: int,
                  sequences: int, cluster: Cluster) -> list[dict[str, Any]]:
     """One row per layout: the fastest of the search with its settings (fitting first; its place among those that
-    fit as `rank`), else the layout evaluated as given (unranked)."""
+    fit as `rank`), else the layout evaluated as given (unranked). A layout no run could have is refused in one
+    line that names its line."""
     memo: dict = {}
     flats = [(c, c.layout.flat()) for c in [*plan.feasible, *plan.rejected]]
     places = {id(c): i for i, c in enumerate(plan.feasible, 1)}
     rows = []
     for number, settings in layouts:
         found = next((c for c, flat in flats if all(flat[k] == v for k, v in settings.items())), None)
-        if found is None:
-            layout = Layout.of(**settings)
-            d = layout.dims
-            _check_given(cfg, layout, number)
-            if d.dp * d.tp * d.pp * d.cp != gpus:
-                raise ValueError(f"--explain-file line {number}: dp·tp·pp·cp = {d.dp * d.tp * d.pp * d.cp:,}, not "
-                                 f"the {gpus:,} GPUs")
-            if sequences % (d.dp * layout.options.microbatches):
-                raise ValueError(f"--explain-file line {number}: dp x micro-batches = "
-                                 f"{d.dp * layout.options.microbatches} does not divide the {sequences} sequences")
-            found = Candidate(layout, *evaluate(cfg, layout, seq_len, sequences, cluster, plan.precision,
-                                                plan.recipe, memo=memo))
+        try:
+            found = found or _given(cfg, plan, settings, gpus, seq_len, sequences, cluster, memo)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--explain-file line {number}: {e}") from None
         row = full_row(cfg, plan, found, seq_len, sequences, memo)
         rows.append({"line": number, **row, "rank": places.get(id(found))})
     return rows
