@@ -51,7 +51,9 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stack", default=None, metavar="NAME|FILE.toml",
                         help="the training stack's memory rules and abilities: a preset, trainer (default: this "
                              "trainer's kernels, bf16 weights and gradients, fp32 master and moments), megatron "
-                             "(Megatron-LM's kernels' saved activations: a fused RMSNorm, SP inputs kept sharded), "
+                             "(Megatron-LM's kernels' saved activations: a fused RMSNorm, SP inputs kept sharded; bf16 "
+                             "gradients sharded as ZeRO says: Megatron-Core's fp32 main_grad buffer is "
+                             "configs/stacks/megatron-core.toml), "
                              "deepseek (DeepSeek-V3's: fp32 gradients, bf16 moments, FP8 saved inputs, norms, SwiGLU "
                              "and MLA's up-projections recomputed: needs --fp8), or a TOML file with the fields "
                              "param_bytes, grad_bytes, master_bytes (0: none), optimizer_bytes (e.g. 8: AdamW's fp32 "
