@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +108,26 @@ def test_presets_are_todays_kernels_and_a_full_grad_buffer_costs_memory(tmp_path
     assert main(["--model", "tiny", *SMALL, "--stack", full, "--restrict", "dp=8", "--json"]) == 0
     assert {r["zero"] for r in json.loads(capsys.readouterr().out)} == {2}  # what the stack can run
     assert load_stack(full).precision.grad_buffer == "full"
+
+
+STACKS = Path(__file__).resolve().parents[1] / "configs" / "stacks"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in STACKS.glob("*.toml")))
+def test_every_shipped_stack_file_loads_and_plans(name, capsys):
+    stack = load_stack(str(STACKS / name))
+    fp8 = ["--fp8", "blockwise"] if stack.precision.fp8_saved else []
+    assert main(["--model", "tiny", *SMALL, "--stack", str(STACKS / name), "--top", "1", *fp8]) == 0, name
+    assert "layouts fit" in capsys.readouterr().out
+
+
+def test_nanotrons_fp32_gradient_buffer_is_whole_under_zero1():
+    """nanotron's FP32GradientAccumulator keeps a buffer for every parameter of the rank's shard, "even when Zero 1
+    is used"; its fp32 master copy and moments follow ZeRO-1."""
+    cfg, layout = get_preset("llama3-8b"), Layout.of(dp=8, zero=1)
+    n = sum(rank_params(cfg, layout).values())
+    states = model_state_bytes(cfg, layout, load_stack(str(STACKS / "nanotron.toml")).precision)
+    assert states == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n / 8}
 
 
 @pytest.mark.parametrize("text, needle", [
