@@ -121,13 +121,28 @@ def test_every_shipped_stack_file_loads_and_plans(name, capsys):
     assert "layouts fit" in capsys.readouterr().out
 
 
-def test_nanotrons_fp32_gradient_buffer_is_whole_under_zero1():
+def test_nanotrons_gradients_are_whole_under_zero1_with_their_copies():
     """nanotron's FP32GradientAccumulator keeps a buffer for every parameter of the rank's shard, "even when Zero 1
-    is used"; its fp32 master copy and moments follow ZeRO-1."""
-    cfg, layout = get_preset("llama3-8b"), Layout.of(dp=8, zero=1)
-    n = sum(rank_params(cfg, layout).values())
-    states = model_state_bytes(cfg, layout, load_stack(str(STACKS / "nanotron.toml")).precision)
-    assert states == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n / 8}
+    is used", beside autograd's bf16 .grad and, with replicas, torch DDP's buckets; its fp32 master copy and moments
+    follow ZeRO-1."""
+    cfg, nanotron = get_preset("llama3-8b"), load_stack(str(STACKS / "nanotron.toml")).precision
+    for dp, grads in ((8, 4 + 2 + 2), (1, 4 + 2)):  # no DDP (and no bucket) without replicas
+        layout = Layout.of(dp=dp, tp=8 // dp, zero=1 if dp > 1 else 0)
+        n = sum(rank_params(cfg, layout).values())
+        states = model_state_bytes(cfg, layout, nanotron)
+        assert states == {"params": 2 * n, "grads": grads * n, "optimizer": 12 * n / dp}, dp
+
+
+def test_sp_inputs_kept_sharded_save_the_gathered_copies(tmp_path):
+    """sp_inputs = "sharded" (Megatron-LM's, nanotron's tp_recompute_allgather): each of a block's two column-parallel
+    regions and the head keep 1/tp of their input instead of the gathered whole."""
+    from minidist.plan.rank_memory import activation_bytes
+    cfg, layout = get_preset("llama3-8b"), Layout.of(dp=2, tp=4, sequence_parallel=True)
+    kept = {k: load_stack(_write(tmp_path, f"{k}.toml", f'sp_inputs = "{k}"\n')).precision
+            for k in ("gathered", "sharded")}
+    gathered, sharded = (activation_bytes(cfg, layout, 4096, 2, kept[k])[0] for k in ("gathered", "sharded"))
+    assert gathered == activation_bytes(cfg, layout, 4096, 2, PRESETS["trainer"].precision)[0]
+    assert gathered - sharded == pytest.approx((2 * cfg.n_layers + 1) * 2 * (2 * 4096) * cfg.d_model * (1 - 1 / 4))
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -137,6 +152,8 @@ def test_nanotrons_fp32_gradient_buffer_is_whole_under_zero1():
     ("colour = 1\n", "unknown stack field(s) ['colour']"),
     ("reserved_gib = 90\n", "nothing is left for a layout"),
     ("norm = \"apex\"\n", "norm must be one of ['eager', 'fused']"),
+    ("sp_inputs = \"half\"\n", "sp_inputs must be one of ['gathered', 'sharded']"),
+    ("ddp_bucket_bytes = 1e9\n", "ddp_bucket_bytes must be a number of bytes in 0..64"),
 ])
 def test_bad_stack_files_are_one_line(tmp_path, capsys, text, needle):
     assert main(["--model", "tiny", *SMALL, "--stack", _write(tmp_path, "s.toml", text)]) == 2

@@ -21,11 +21,9 @@ layout, from the formulas the chapters derived (chapter 12; checked against `mem
   Megatron-LM's kernels' saved tensors in place of this trainer's (`BF16_MEGATRON`); `fp8_saved`: DeepSeek-V3's
   (`deepseek_saves`). Multi-token prediction's projections and second head pass on the head's rank (`mtp`).
 
-Left out, each small against the total or not a function of the shapes: the optimizer's step counters, ZeRO's
-padding and its gathered/in-flight buffers (chapter 07's transient bytes), communication buffers, the allocator's
-rounding and fragmentation, CUDA/NCCL workspaces, RoPE tables, the imbalance of routed tokens (the model assumes
-every expert gets its share; a real router does not), the temporary tensors of a backward. Checked to within
-`TOLERANCE` of measured bytes on the CPU (tests/test_memory_estimate.py).
+Left out (small, or not a function of the shapes; a stack's `reserved_gib` stands for them): step counters, ZeRO's
+padding, communication buffers, the allocator's fragmentation, CUDA/NCCL workspaces, RoPE tables, routed tokens'
+imbalance, a backward's temporaries. Checked within `TOLERANCE` of bytes measured on the CPU (test_memory_estimate).
 """
 
 from __future__ import annotations
@@ -68,6 +66,8 @@ class Precision:
     fused_norm: bool | None = None  # None: as `fused`; a stack may pair a fused RMSNorm with eager RoPE and SwiGLU
     fused_loss: bool | None = None  # None: as `fused` (`loss_transient_bytes`)
     selective: str = "matmuls"  # what `--recompute selective` keeps (`SELECTIVE_POLICIES`)
+    grad_copies: float = 0  # bytes per parameter of gradients kept whole beside `grad` until the step (autograd's)
+    ddp_bucket: float = 0  # bytes per replicated parameter of torch DDP's flat buckets (not views of the gradients)
 
 
 # The trainer on a CPU: fp32 everywhere, AdamW's two moments (the parameters are the master copy).
@@ -98,7 +98,7 @@ def precision_words(precision: Precision) -> str:
     return (f"{names.get(precision.param, precision.param)} weights, {names.get(precision.grad, precision.grad)} "
             f"gradients, {precision.optimizer} bytes per parameter of master copy and AdamW moments" +
             ("; DeepSeek-V3's kernels' activations (FP8 copies; norms, SwiGLU and MLA's up-projections recomputed)"
-             if precision.fp8_saved else "; Megatron-LM's kernels' activations" if precision.sp_regather else ""))
+             if precision.fp8_saved else "; Megatron-LM's kernels' activations" if precision.fused else ""))
 
 
 # What a stack's selective recomputation keeps of a block: "matmuls", this trainer's (`train.blocks.keep_matmuls`,
@@ -173,7 +173,8 @@ def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = F
                       stage: int = 0, mtp_depth: int = 0) -> dict[str, float]:
     """{"params", "grads", "optimizer"}: bytes one rank of stage `stage` holds, ZeRO applied per replica group
     (`memory.model_state_bytes` of each kind of parameter; `Precision.optimizer` includes the master copy; a
-    `Precision.grad_buffer` "full" keeps every gradient of the rank's shard whatever the stage)."""
+    `Precision.grad_buffer` "full" keeps every gradient of the rank's shard whatever the stage; `grad_copies` and,
+    for parameters with replicas, `ddp_bucket` are whole copies beside it)."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for kind, n in rank_params(cfg, layout, stage, mtp_depth).items():
         states = memory.model_state_bytes(n, precision.param, precision.grad, master_bytes=0,
@@ -181,6 +182,7 @@ def model_state_bytes(cfg: ModelConfig, layout: Layout, precision: Precision = F
                                           dp=layout.replicas[kind])
         if precision.grad_buffer == "full":  # one buffer for the rank's whole shard, whatever the ZeRO stage
             states["grads"] = precision.grad * n
+        states["grads"] += (precision.grad_copies + (precision.ddp_bucket if layout.replicas[kind] > 1 else 0)) * n
         for part in out:
             out[part] += states[part]
     return out

@@ -10,6 +10,12 @@ file (every one optional; an omitted one takes the `trainer` preset's value):
 * `grad_buffer`: "sharded" (gradients follow ZeRO: sharded from stage 2) or "full" (a buffer of `grad_bytes` per
   parameter of the rank's model shard whatever the ZeRO stage, as Megatron-LM's DDP `main_grad` and DeepSpeed's
   BF16 optimizer keep one);
+* `grad_copy_bytes`: of gradients kept whole beside those until the step (autograd's bf16 `.grad` a stack adds into
+  an fp32 buffer and frees only at the step: nanotron's 2); `ddp_bucket_bytes`: of torch DDP's flat buckets, whole,
+  for every parameter with replicas (without `gradient_as_bucket_view` they are a second copy of the gradients:
+  nanotron's 2); both 0 by default;
+* `sp_inputs`: "gathered" (an SP column-parallel linear keeps its gathered input) or "sharded" (keeps its shard and
+  gathers it again backward: Megatron-LM's and nanotron's `tp_recompute_allgather`); omitted: as `activations`' kernels;
 * `activations`: whose kernels' saved tensors, "trainer" (this trainer's: an fp32 copy in RMSNorm, SP linears keep
   their gathered input), "megatron" (fused RMSNorm, RoPE and SwiGLU, SP inputs kept sharded) or "deepseek"
   (DeepSeek-V3's: FP8 copies, norms, SwiGLU and MLA's up-projections recomputed; needs --fp8);
@@ -45,6 +51,7 @@ CP_KINDS = ("ring", "allgather")
 RECOMPUTES = ("none", "selective", "full")
 KERNELS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # `activations`' choices
 NORMS = ("eager", "fused")  # RMSNorm's and the loss's kernels: over fp32 copies autograd keeps, or one fused kernel
+SP_INPUTS = ("gathered", "sharded")  # what an SP column-parallel linear keeps of its input
 MAX_STACK_BYTES = 1 << 16  # a stack file is a few lines; anything larger is not one
 
 
@@ -60,6 +67,9 @@ class Stack:
     norm: str = ""  # "eager" or "fused"; "": as `activations`' kernels
     loss: str = ""  # the same for the cross-entropy
     selective: str = ""  # of `SELECTIVE_POLICIES`; "": "matmuls" for this trainer's kernels, else "core_attention"
+    grad_copy_bytes: float = 0
+    ddp_bucket_bytes: float = 0
+    sp_inputs: str = ""  # "gathered" or "sharded"; "": as `activations`' kernels
     reserved_gib: float | None = None  # None: 10% of the chip's memory
     schedules: tuple[str, ...] = SCHEDULES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -77,7 +87,9 @@ class Stack:
                                    grad_buffer=self.grad_buffer,
                                    fused_norm=None if not self.norm else self.norm == "fused",
                                    fused_loss=None if not self.loss else self.loss == "fused",
-                                   selective=self.selective or kernels.selective)
+                                   selective=self.selective or kernels.selective, grad_copies=self.grad_copy_bytes,
+                                   ddp_bucket=self.ddp_bucket_bytes,
+                                   sp_regather=self.sp_inputs == "sharded" if self.sp_inputs else kernels.sp_regather)
 
     def reserved_bytes(self, memory_bytes: float) -> float:
         return 0.1 * memory_bytes if self.reserved_gib is None else self.reserved_gib * 2 ** 30
@@ -117,6 +129,8 @@ def stack_from_dict(values: dict[str, Any], path: str) -> Stack:
             raise ValueError(f"{path}: activations must be one of {list(KERNELS)}, got {value!r}")
         elif key in ("norm", "loss") and value not in NORMS:
             raise ValueError(f"{path}: {key} must be one of {list(NORMS)}, got {value!r}")
+        elif key == "sp_inputs" and value not in SP_INPUTS:
+            raise ValueError(f"{path}: sp_inputs must be one of {list(SP_INPUTS)}, got {value!r}")
         elif key == "selective" and value not in SELECTIVE_POLICIES:
             raise ValueError(f"{path}: selective must be one of {list(SELECTIVE_POLICIES)}, got {value!r}")
         elif key == "reserved_gib" and (type(value) not in (int, float) or not math.isfinite(value)
@@ -168,4 +182,7 @@ def stack_words(stack: Stack) -> str:
             (f" with {'an' if stack.norm == 'eager' else 'a'} {stack.norm} RMSNorm" if stack.norm else "") +
             (f", {'an' if stack.loss == 'eager' else 'a'} {stack.loss} loss" if stack.loss else "") +
             (f", selective recomputation keeping {stack.selective}" if stack.selective else "") +
+            (f", SP inputs kept {stack.sp_inputs}" if stack.sp_inputs else "") +
+            (f"; {stack.grad_copy_bytes:g} bytes per parameter of gradient copies and {stack.ddp_bucket_bytes:g} of "
+             "DDP buckets beside the gradients" if stack.grad_copy_bytes or stack.ddp_bucket_bytes else "") +
             (f"; runs {runs}" if runs else ""))
