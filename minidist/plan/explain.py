@@ -64,8 +64,8 @@ def stage_table(cfg: ModelConfig, layout: Layout, seq_len: int, micro_batch: int
                      f"{e.recompute_transient / GIB:>7.1f} {e.loss_transient / GIB:>7.1f} "
                      f"{e.gathered / GIB:>7.1f} {e.total / GIB:>7.1f}"
                      + ("  <- heaviest" if s == worst else ""))
-    copies = f" + {precision.grad_copies:g} of copies + {precision.ddp_bucket:g} of DDP buckets (where replicated), " \
-        "whole" if precision.grad_copies or precision.ddp_bucket else ""
+    copies = (f" + {precision.grad_copies:g} of copies + {precision.ddp_bucket:g} of DDP buckets (where replicated), "
+              "whole") if precision.grad_copies or precision.ddp_bucket else ""
     lines.append(f"  (grads: {precision.grad:g} bytes per parameter, {precision.grad_buffer}{copies}; master + optim: "
                  f"{precision.master:g} + {precision.optimizer - precision.master:g} bytes per parameter, sharded from "
                  "ZeRO-1; recomp and loss: transients, the larger counted; gather: ZeRO-3's gathered units; "

@@ -52,6 +52,9 @@ RECOMPUTES = ("none", "selective", "full")
 KERNELS = {"trainer": BF16_MIXED, "megatron": BF16_MEGATRON, "deepseek": BF16_DEEPSEEK}  # `activations`' choices
 NORMS = ("eager", "fused")  # RMSNorm's and the loss's kernels: over fp32 copies autograd keeps, or one fused kernel
 SP_INPUTS = ("gathered", "sharded")  # what an SP column-parallel linear keeps of its input
+# The fields that name one of a few kinds (`stack_from_dict` refuses any other value)
+ONE_OF = {"grad_buffer": ("sharded", "full"), "activations": tuple(KERNELS), "norm": NORMS, "loss": NORMS,
+          "selective": SELECTIVE_POLICIES, "sp_inputs": SP_INPUTS}
 MAX_STACK_BYTES = 1 << 16  # a stack file is a few lines; anything larger is not one
 
 
@@ -123,16 +126,8 @@ def stack_from_dict(values: dict[str, Any], path: str) -> Stack:
     for key, value in values.items():
         if key.endswith("_bytes"):
             out[key] = _bytes(path, key, value)
-        elif key == "grad_buffer" and value not in ("sharded", "full"):
-            raise ValueError(f"{path}: grad_buffer must be \"sharded\" or \"full\", got {value!r}")
-        elif key == "activations" and value not in KERNELS:
-            raise ValueError(f"{path}: activations must be one of {list(KERNELS)}, got {value!r}")
-        elif key in ("norm", "loss") and value not in NORMS:
-            raise ValueError(f"{path}: {key} must be one of {list(NORMS)}, got {value!r}")
-        elif key == "sp_inputs" and value not in SP_INPUTS:
-            raise ValueError(f"{path}: sp_inputs must be one of {list(SP_INPUTS)}, got {value!r}")
-        elif key == "selective" and value not in SELECTIVE_POLICIES:
-            raise ValueError(f"{path}: selective must be one of {list(SELECTIVE_POLICIES)}, got {value!r}")
+        elif key in ONE_OF and value not in ONE_OF[key]:
+            raise ValueError(f"{path}: {key} must be one of {list(ONE_OF[key])}, got {value!r}")
         elif key == "reserved_gib" and (type(value) not in (int, float) or not math.isfinite(value)
                                         or not 0 <= value <= 1024):
             raise ValueError(f"{path}: reserved_gib must be a number of GiB in 0..1024, got {value!r}")
